@@ -1,0 +1,173 @@
+"""The named device mesh every run has, single-process runs included.
+
+Axes follow torchtitan: pp, dp_replicate, dp_shard, cp, tp, ep (degree 1 where unused).
+World size is pp * dp_replicate * dp_shard * cp * tp; expert parallelism borrows its
+ranks from dp_shard * cp, so `ep` must divide that product and adds no ranks.
+One object knows the degrees and hands out sub-meshes and groups; nothing else
+recomputes them.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from core.errors import ConfigError, require
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+_RANK_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def dist_env_present() -> bool:
+    """True when this process was started by torchrun, our elastic launcher or SLURM+submitit."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+@dataclass
+class ParallelMesh:
+    """Degrees of every parallel axis plus the device kind; `init()` joins the process group."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    device: str = "auto"  # auto | cpu | cuda
+    timeout_s: float = 300.0  # a dead rank ends collectives (and the job) within this
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            n = getattr(self, axis)
+            require(isinstance(n, int) and n >= 1, f"mesh.{axis}", f"degree must be a positive integer, got {n!r}",
+                    f"set mesh.{axis}=1 or more")
+        require(self.device in ("auto", "cpu", "cuda"), "mesh.device", f"unknown device {self.device!r}",
+                "use mesh.device=auto, cpu or cuda")
+        require((self.dp_shard * self.cp) % self.ep == 0, "mesh.ep",
+                f"expert parallel degree {self.ep} does not divide dp_shard*cp={self.dp_shard * self.cp}",
+                "choose mesh.ep dividing mesh.dp_shard * mesh.cp")
+        self._device_mesh = None
+        self._rank = 0
+        self._local_rank = 0
+        self._initialized = False
+
+    # ---- sizes -------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for axis in _RANK_AXES:
+            n *= getattr(self, axis)
+        return n
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in AXES}
+
+    def describe(self) -> str:
+        used = [f"{a}{getattr(self, a)}" for a in _RANK_AXES if getattr(self, a) > 1]
+        return "x".join(used) if used else "single"
+
+    # ---- devices -------------------------------------------------------------
+    def device_type(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("mesh.device", "cuda requested but no CUDA device is visible",
+                              "run on a GPU machine or set mesh.device=cpu")
+        return self.device
+
+    def validate_devices(self) -> None:
+        """Refuse meshes that do not fit this machine's GPUs (before any process starts)."""
+        if self.device_type() == "cuda":
+            have = torch.cuda.device_count()
+            nodes = int(os.environ.get("SLURM_NNODES", os.environ.get("GROUP_WORLD_SIZE", "1")) or 1)
+            per_node = -(-self.world_size // nodes)
+            require(per_node <= have, "mesh", f"{self.describe()} needs {per_node} GPUs per node but {have} are visible",
+                    f"use a mesh of at most {have} ranks per node, or mesh.device=cpu for gloo on the CPU")
+
+    # ---- process group -------------------------------------------------------
+    def init(self) -> "ParallelMesh":
+        """Join the process group (if world > 1), pick this rank's device, build the DeviceMesh."""
+        if self._initialized:
+            return self
+        dev = self.device_type()
+        if self.world_size == 1:
+            self._rank, self._local_rank = 0, 0
+        else:
+            require(dist_env_present(), "mesh", f"{self.describe()} has {self.world_size} ranks but this process has no "
+                    "RANK/WORLD_SIZE", "start it through train.py (it launches the ranks) or torchrun")
+            env_world = int(os.environ["WORLD_SIZE"])
+            require(env_world == self.world_size, "mesh",
+                    f"the mesh needs {self.world_size} ranks but WORLD_SIZE={env_world}",
+                    "make torchrun --nproc_per_node (times nodes) equal the mesh's product of degrees")
+            self._rank = int(os.environ["RANK"])
+            self._local_rank = int(os.environ.get("LOCAL_RANK", self._rank))
+            if dev == "cuda":
+                torch.cuda.set_device(self._local_rank)
+            if not dist.is_initialized():
+                backend = "nccl" if dev == "cuda" else "gloo"
+                kw = {"device_id": torch.device("cuda", self._local_rank)} if dev == "cuda" else {}
+                dist.init_process_group(backend, timeout=datetime.timedelta(seconds=self.timeout_s), **kw)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shape = tuple(getattr(self, a) for a in _RANK_AXES)
+            self._device_mesh = init_device_mesh(dev, shape, mesh_dim_names=_RANK_AXES)
+            self._device_mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+        self._device = torch.device(dev, self._local_rank) if dev == "cuda" else torch.device("cpu")
+        if dev == "cuda" and self.world_size == 1:
+            torch.cuda.set_device(self._device)
+        self._initialized = True
+        return self
+
+    def destroy(self) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        self._initialized = False
+
+    # ---- per-rank views --------------------------------------------------------
+    @property
+    def device_obj(self) -> torch.device:
+        return self._device
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    @property
+    def is_main(self) -> bool:
+        return self._rank == 0
+
+    @property
+    def device_mesh(self):
+        """The torch DeviceMesh with dims (pp, dp_replicate, dp_shard, cp, tp) and a flattened 'dp'; None if single."""
+        return self._device_mesh
+
+    def submesh(self, name: str):
+        """Sub-mesh of one named axis (or the flattened 'dp'); None in a single-process run."""
+        return None if self._device_mesh is None else self._device_mesh[name]
+
+    def group(self, name: str = "dp") -> Optional[dist.ProcessGroup]:
+        """Process group of one axis; None in a single-process run."""
+        sub = self.submesh(name)
+        return None if sub is None else sub.get_group()
+
+    @property
+    def dp_rank(self) -> int:
+        sub = self.submesh("dp")
+        return 0 if sub is None else sub.get_local_rank()
+
+    def barrier(self) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()

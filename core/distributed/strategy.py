@@ -1,0 +1,115 @@
+"""The seam between the trainer and a parallelism scheme.
+
+A `Strategy` takes the model (built on the meta device), materialises and wraps it,
+builds the optimizer, synchronises gradients and owns checkpoint state. The trainer
+calls only the methods below, in this order each step:
+
+    for each micro-step:
+        with strategy.gradient_sync(is_last_microstep): forward, backward
+    strategy.finish_gradient_synchronization()
+    grad_norm = strategy.clip_grad_norm_(model, max_norm)
+    optimizer.step(); optimizer.zero_grad(set_to_none=True)
+    metrics.update(strategy.step_metrics())
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, ContextManager, Iterable, Literal
+
+import torch
+from torch import nn
+
+from core.distributed.mesh import ParallelMesh
+
+OptimizerFactory = Callable[[Iterable[dict[str, Any]]], torch.optim.Optimizer]
+
+
+def materialize(model: nn.Module, device: torch.device, init_fn: Callable[[nn.Module], None]) -> nn.Module:
+    """Move a meta-device model to `device` and initialise it with `init_fn` (a seeded init)."""
+    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+        model.to_empty(device=device)
+        init_fn(model)
+    else:
+        model.to(device)
+    return model
+
+
+class Strategy:
+    """Single-process training (`parallelism=none`): no communication at all.
+
+    Subclasses override what they change; every method here is the correct behaviour
+    for one rank holding everything.
+    """
+
+    name: str = "none"
+    checkpoint_format: Literal["full", "dcp"] = "full"  # full: rank 0 torch.save; dcp: torch.distributed.checkpoint
+    requires_world_size_above_one: bool = False
+
+    def validate(self, mesh: ParallelMesh) -> None:
+        """Raise `ConfigError` if this strategy cannot run on `mesh` (called before any process starts)."""
+
+    def setup(self, model: nn.Module, mesh: ParallelMesh, init_fn: Callable[[nn.Module], None]) -> nn.Module:
+        """Materialise, shard or wrap the model; return the module the trainer calls."""
+        self.mesh = mesh
+        return materialize(model, mesh.device_obj, init_fn)
+
+    def build_optimizer(self, model: nn.Module, param_groups: list[dict[str, Any]],
+                        make_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
+        return make_optimizer(param_groups)
+
+    def gradient_sync(self, enabled: bool) -> ContextManager:
+        """Context around one micro-step's forward+backward; `enabled` is False on all but the last."""
+        return contextlib.nullcontext()
+
+    def finish_gradient_synchronization(self) -> None:
+        """Block until every gradient is synchronised (all-reduced / reduce-scattered)."""
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip gradients to `max_norm` (inf: just measure) and return the global norm before clipping."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        if not params:
+            return torch.zeros(())
+        return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Model and optimizer state to checkpoint (see `checkpoint_format`)."""
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    def full_parameters(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The unsharded parameters by name (for tests and exports); collective under sharding."""
+        return {n: p.detach() for n, p in model.named_parameters()}
+
+    def step_metrics(self) -> dict[str, float]:
+        """Per-step numbers this strategy measures (communication time, exposed part, ...)."""
+        return {}
+
+    def memory_breakdown(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state."""
+        return memory_breakdown(model.parameters(), optimizer)
+
+
+def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+            local = t.to_local() if hasattr(t, "to_local") else t
+            seen.add(t.data_ptr())
+            total += local.numel() * local.element_size()
+    return total
+
+
+def memory_breakdown(params: Iterable[nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Parameter, gradient and optimizer-state bytes held on this rank (shared storage counted once)."""
+    params = list(params)
+    state_tensors = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {
+        "param_bytes": _tensor_bytes(params),
+        "grad_bytes": _tensor_bytes(p.grad for p in params if p.grad is not None),
+        "optimizer_state_bytes": _tensor_bytes(state_tensors),
+    }

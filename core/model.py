@@ -1,0 +1,217 @@
+"""The CS336 basics Transformer language model.
+
+token embedding -> n_layers x pre-norm block (RMSNorm, causal self-attention with RoPE,
+RMSNorm, SwiGLU feed-forward) -> final RMSNorm -> untied LM head. No biases.
+Shapes: B batch, T sequence, D d_model, H query heads, K kv heads, E head dim, V vocab.
+
+The attention math is a plugin (`core.attention`); everything else reads top to bottom.
+Build large models on the meta device (`with torch.device("meta")`), then call
+`init_weights()` after `to_empty(device=...)`: nothing is allocated before sharding.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from core.attention import AttentionImpl, SDPAAttention
+from core.errors import require
+from core.profiling import nvtx_range
+
+
+@dataclass
+class ModelConfig:
+    """One model size ("flavour") as data. `n_kv_heads` None means multi-head (= n_heads)."""
+
+    d_model: int
+    d_ff: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: Optional[int] = None
+    vocab_size: int = 10_000
+    context_length: int = 512
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for key in ("d_model", "d_ff", "n_layers", "n_heads", "vocab_size", "context_length"):
+            v = getattr(self, key)
+            require(isinstance(v, int) and v > 0, f"model.{key}", f"must be a positive integer, got {v!r}",
+                    f"set model.{key} to a positive integer")
+        require(self.d_model % self.n_heads == 0, "model.n_heads",
+                f"{self.n_heads} heads do not divide d_model={self.d_model}",
+                "choose model.n_heads dividing model.d_model")
+        require(self.head_dim % 2 == 0, "model.n_heads", f"head dim {self.head_dim} is odd; RoPE rotates pairs",
+                "choose model.n_heads so that d_model / n_heads is even")
+        kv = self.kv_heads
+        require(kv > 0 and self.n_heads % kv == 0, "model.n_kv_heads",
+                f"{kv} kv heads do not divide {self.n_heads} query heads (GQA groups must be whole)",
+                "choose model.n_kv_heads dividing model.n_heads (or null for multi-head attention)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Exact parameter count of `TransformerLM(self)` (tested against the module)."""
+        d, e = self.d_model, self.head_dim
+        attn = d * (self.n_heads * e) + 2 * d * (self.kv_heads * e) + (self.n_heads * e) * d
+        ffn = 3 * d * self.d_ff
+        block = attn + ffn + 2 * d
+        total = self.n_layers * block + d + self.vocab_size * d  # + final norm + lm head
+        return total + (self.vocab_size * d if include_embedding else 0)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back (CS336 3.4.1)."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # in float32 whatever the input (autocast leaves the residual stream fp32 anyway)
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding on interleaved pairs (x0, x1), (x2, x3), ... of each head."""
+
+    def __init__(self, head_dim: int, context_length: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.context_length, self.theta = head_dim, context_length, theta
+        cos, sin = self._tables(torch.device("cpu") if torch.get_default_device().type == "meta" else None)
+        self.register_buffer("cos", cos, persistent=False)  # (T, E/2)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self, device: torch.device | None) -> tuple[Tensor, Tensor]:
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim))
+        angles = torch.outer(torch.arange(self.context_length, device=device).float(), inv_freq)
+        return angles.cos(), angles.sin()
+
+    def reset_parameters(self) -> None:
+        cos, sin = self._tables(self.cos.device)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        # x: (B, H, T, E); positions: (T,)
+        cos = self.cos[positions].to(x.dtype)  # (T, E/2)
+        sin = self.sin[positions].to(x.dtype)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head (or grouped-query) causal self-attention; the score math is `attention`."""
+
+    def __init__(self, cfg: ModelConfig, attention: AttentionImpl, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        # q, k and v projections fused in one matmul (rows: H*E query, K*E key, K*E value)
+        self.qkv_proj = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=False)
+        self.output_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.attention = attention
+        self.rope = (rope,)  # shared; a tuple keeps it out of this module's children
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        q, k, v = qkv.transpose(1, 2).split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1)
+        # q: (B, H, T, E); k, v: (B, K, T, E)
+        rope = self.rope[0]
+        q, k = rope(q, positions), rope(k, positions)
+        y = self.attention(q, k, v, is_causal=True)  # (B, H, T, E)
+        return self.output_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff, bias=False)
+        self.w2 = nn.Linear(d_ff, d_model, bias=False)
+        self.w3 = nn.Linear(d_model, d_ff, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, attention: AttentionImpl, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.ln1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = CausalSelfAttention(cfg, attention, rope)
+        self.ln2 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn = SwiGLU(cfg.d_model, cfg.d_ff)
+        self.activation_checkpoint = False  # set by core.activation_checkpointing.apply
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x), positions)
+        return x + self.ffn(self.ln2(x))
+
+
+class TransformerLM(nn.Module):
+    """Decoder-only LM. `forward(tokens (B, T) int64) -> logits (B, T, V)`."""
+
+    def __init__(self, cfg: ModelConfig, attention: AttentionImpl | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        attention = attention if attention is not None else SDPAAttention()
+        self.token_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta)
+        self.blocks = nn.ModuleList(TransformerBlock(cfg, attention, self.rope) for _ in range(cfg.n_layers))
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        T = tokens.shape[-1]
+        require(T <= self.cfg.context_length, "data.seq_len",
+                f"sequence of {T} tokens is longer than model.context_length={self.cfg.context_length}",
+                "set data.seq_len <= model.context_length (or raise model.context_length)")
+        positions = torch.arange(T, device=tokens.device)
+        x = self.token_embeddings(tokens)  # (B, T, D)
+        for i, block in enumerate(self.blocks):
+            with nvtx_range(f"block{i}"):
+                if block.activation_checkpoint and torch.is_grad_enabled():
+                    x = checkpoint(block, x, positions, use_reentrant=False)
+                else:
+                    x = block(x, positions)
+        return self.lm_head(self.final_norm(x))  # (B, T, V)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Truncated-normal linears/embedding (std 0.02, output projections scaled by depth), unit norms.
+
+        With `seed`, draws from a private generator so every strategy gets identical weights.
+        """
+        gen = None
+        if seed is not None:
+            dev = self.lm_head.weight.device
+            gen = torch.Generator(device=dev if dev.type != "meta" else "cpu").manual_seed(seed)
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                s = out_std if name.endswith(("output_proj", "ffn.w2")) else std
+                nn.init.trunc_normal_(module.weight, mean=0.0, std=s, a=-3 * s, b=3 * s, generator=gen)
+            elif isinstance(module, (RMSNorm, RotaryEmbedding)):
+                module.reset_parameters()

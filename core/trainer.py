@@ -1,0 +1,367 @@
+"""The training loop, run once per rank.
+
+`train(cfg)` builds every plugin from the composed config (`hydra.utils.instantiate`
+on each group's `_target_`), then trains, benchmarks or profiles. The order of
+assembly is the documentation: model on the meta device -> activation checkpointing
+-> compile -> strategy (materialise, shard or wrap) -> optimizer -> resume.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from core import activation_checkpointing
+from core.checkpoint import Checkpointer
+from core.data import TokenSource
+from core.distributed.mesh import ParallelMesh
+from core.distributed.strategy import Strategy
+from core.errors import ConfigError, require
+from core.loggers import JsonlLogger, Logger, LoggerGroup
+from core.metrics import (FlopCounter, memory_stats, model_flops_per_token, peak_flops, peak_memory_gib,
+                          recompute_flops_per_token, reset_peak_memory)
+from core.model import ModelConfig, TransformerLM
+from core.optim import WarmupCosine, optimizer_factory, param_groups
+from core.precision import Precision
+
+# Set by a signal handler (SLURM's pre-emption warning) or `request_checkpoint_and_exit()`:
+# the loop saves a checkpoint at the next step boundary and returns with status "preempted".
+_STOP_REQUESTED = False
+
+
+def request_checkpoint_and_exit(*_: Any) -> None:
+    """Ask the running loop to checkpoint and stop at the next step boundary (signal-handler safe)."""
+    global _STOP_REQUESTED
+    _STOP_REQUESTED = True
+
+
+def install_preemption_handler(signum: int = signal.SIGUSR1) -> None:
+    signal.signal(signum, request_checkpoint_and_exit)
+
+
+@dataclass
+class Run:
+    """Everything one rank has built for a run; the loop, benchmark and profiler share it."""
+
+    cfg: DictConfig
+    mesh: ParallelMesh
+    strategy: Strategy
+    precision: Precision
+    model_cfg: ModelConfig
+    model: torch.nn.Module          # what the loop calls (possibly a strategy wrapper)
+    raw_model: TransformerLM        # the TransformerLM inside
+    optimizer: torch.optim.Optimizer
+    schedule: WarmupCosine
+    data: TokenSource
+    flops: FlopCounter
+    run_dir: Path
+    local_batch: int                # sequences per rank per micro-step
+    memory_marks: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return self.mesh.device_obj
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.batch_size * self.data.seq_len
+
+    def micro_batch(self, split: str, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of global batch `step` belonging to this rank's micro-step `micro`."""
+        start = (self.mesh.dp_rank * self.cfg.train.grad_accum_steps + micro) * self.local_batch
+        return self.data.batch(split, step, self.cfg.train.batch_size, self.cfg.seed, self.device,
+                               rows=slice(start, start + self.local_batch))
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self.precision.autocast():
+            logits = self.model(x)
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    def forward_backward(self, step: int) -> torch.Tensor:
+        """All micro-steps of one optimizer step: returns this rank's mean loss (detached)."""
+        accum = self.cfg.train.grad_accum_steps
+        total = torch.zeros((), device=self.device)
+        for micro in range(accum):
+            x, y = self.micro_batch("train", step, micro)
+            with self.strategy.gradient_sync(micro == accum - 1):
+                loss = self.loss(x, y) / accum
+                self.precision.backward(loss)
+            total += loss.detach()
+        self.strategy.finish_gradient_synchronization()
+        return total
+
+    def optimizer_step(self, step: int, measure_norm: bool) -> tuple[float | None, bool]:
+        """Schedule, clip, step, zero: returns (grad norm or None, whether the step was taken)."""
+        lr = self.schedule(step)
+        WarmupCosine.apply(self.optimizer, lr)
+        self.precision.unscale_(self.optimizer)
+        clip = float(self.cfg.optimizer.grad_clip)
+        norm = None
+        if clip > 0 or measure_norm:
+            norm = self.strategy.clip_grad_norm_(self.raw_model, clip if clip > 0 else math.inf)
+        stepped = self.precision.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        return (float(norm) if norm is not None else None), stepped
+
+    def train_step(self, step: int, measure_norm: bool = False) -> tuple[torch.Tensor, float | None]:
+        loss = self.forward_backward(step)
+        norm, _ = self.optimizer_step(step, measure_norm)
+        return loss, norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        n = self.cfg.train.eval_batches
+        for i in range(n):
+            x, y = self.micro_batch("val", i, 0)
+            total += self.loss(x, y)
+        self.model.train()
+        return all_reduce_mean(total / n, self.mesh)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def all_reduce_mean(value: torch.Tensor, mesh: ParallelMesh) -> float:
+    """Mean of a scalar over the data-parallel ranks (a no-op on one rank)."""
+    group = mesh.group("dp")
+    if group is not None:
+        value = value.clone()
+        dist.all_reduce(value, group=group)
+        value /= mesh.dp_size
+    return float(value)
+
+
+def _gather_floats(value: float, mesh: ParallelMesh) -> list[float]:
+    if mesh.world_size == 1:
+        return [value]
+    out: list[Any] = [None] * mesh.world_size
+    dist.all_gather_object(out, value)
+    return [float(v) for v in out]
+
+
+def validate_batch(cfg: DictConfig, dp_size: int) -> int:
+    """Per-rank micro-batch size; errors if the global batch does not split evenly."""
+    b, accum = cfg.train.batch_size, cfg.train.grad_accum_steps
+    require(isinstance(accum, int) and accum >= 1, "train.grad_accum_steps", f"must be >= 1, got {accum!r}",
+            "set train.grad_accum_steps=1 or more")
+    require(b % accum == 0, "train.grad_accum_steps",
+            f"train.batch_size={b} is not divisible by {accum} accumulation steps",
+            "choose train.batch_size divisible by train.grad_accum_steps")
+    require(b % (accum * dp_size) == 0, "train.batch_size",
+            f"batch {b} does not split over {dp_size} data-parallel ranks x {accum} micro-steps",
+            f"use a train.batch_size divisible by {accum * dp_size}")
+    return b // (accum * dp_size)
+
+
+def fingerprint(cfg: DictConfig) -> dict[str, Any]:
+    """What must match for a checkpoint to be resumable by this config."""
+    m = cfg.model
+    return {"model": {k: m[k] for k in ("d_model", "d_ff", "n_layers", "n_heads", "n_kv_heads", "vocab_size")},
+            "parallelism": cfg.parallelism._target_, "world_size": instantiate_mesh(cfg).world_size}
+
+
+def instantiate_mesh(cfg: DictConfig) -> ParallelMesh:
+    return instantiate(cfg.mesh)
+
+
+def build(cfg: DictConfig) -> Run:
+    """Assemble one rank's run from the config."""
+    run_dir = Path(cfg.paths.run_dir)
+    model_cfg: ModelConfig = instantiate(cfg.model)
+    mesh = instantiate_mesh(cfg).init()
+    strategy: Strategy = instantiate(cfg.parallelism)
+    strategy.validate(mesh)
+    local_batch = validate_batch(cfg, mesh.dp_size)
+    precision: Precision = instantiate(cfg.precision).setup(mesh.device_obj)
+
+    data: TokenSource = instantiate(cfg.data).load()
+    require(data.seq_len <= model_cfg.context_length, "data.seq_len",
+            f"sequence length {data.seq_len} is longer than model.context_length={model_cfg.context_length}",
+            "set data.seq_len <= model.context_length")
+    data.check_vocab(model_cfg.vocab_size)
+
+    attention = instantiate(cfg.attention_impl)
+    with torch.device("meta"):
+        model = TransformerLM(model_cfg, attention)
+    n_ckpt = activation_checkpointing.apply(model, cfg.activation_checkpointing)
+    if cfg.compile:
+        model.compile()  # in place: parameter names (and checkpoints) stay those of the eager model
+    seed = int(cfg.seed)
+    reset_peak_memory(mesh.device_obj)
+    wrapped = strategy.setup(model, mesh, lambda m: m.init_weights(seed=seed))
+    marks = {"after_model_init_gib": peak_memory_gib(mesh.device_obj)}
+
+    groups = param_groups(model, cfg.optimizer.weight_decay)
+    optimizer = strategy.build_optimizer(wrapped, groups, optimizer_factory(cfg.optimizer, mesh.device_obj))
+    schedule = WarmupCosine(cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.warmup_steps, cfg.train.max_steps)
+
+    per_token = model_flops_per_token(model_cfg, data.seq_len, cfg.metrics.causal_attention_flops)
+    recompute = recompute_flops_per_token(model_cfg, data.seq_len, n_ckpt, cfg.metrics.causal_attention_flops)
+    peak, source = peak_flops(mesh.device_obj, precision.name, precision.tf32, cfg.metrics.peak_tflops)
+    tokens = cfg.train.batch_size * data.seq_len
+    flops = FlopCounter(per_token * tokens, (per_token + recompute) * tokens, peak, source, mesh.world_size)
+    return Run(cfg, mesh, strategy, precision, model_cfg, wrapped, model, optimizer, schedule, data, flops,
+               run_dir, local_batch, marks)
+
+
+def _build_loggers(cfg: DictConfig, is_main: bool) -> Logger:
+    if not is_main:
+        return LoggerGroup([])
+    extra = [instantiate(c) for c in (cfg.logger or {}).values()]
+    if not any(isinstance(lg, JsonlLogger) for lg in extra):
+        extra.insert(0, JsonlLogger())
+    return LoggerGroup(extra)
+
+
+def _sweep_info(cfg: DictConfig) -> dict[str, Any]:
+    info = OmegaConf.select(cfg, "_sweep", default=None)
+    return OmegaConf.to_container(info) if info is not None else {}
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Run one rank of a job (train, benchmark or profile); returns the summary on every rank."""
+    global _STOP_REQUESTED
+    _STOP_REQUESTED = False
+    run = build(cfg)
+    try:
+        if cfg.benchmark.enabled:
+            from core.benchmark import run_benchmark
+
+            return run_benchmark(run)
+        if cfg.profile.enabled:
+            from core.profiling import run_profile
+
+            return run_profile(run)
+        return _train_loop(run)
+    finally:
+        run.mesh.destroy()
+
+
+def _train_loop(run: Run) -> dict[str, Any]:
+    cfg, mesh = run.cfg, run.mesh
+    tcfg = cfg.train
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    loggers = _build_loggers(cfg, mesh.is_main)
+    ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep_last, fingerprint(cfg))
+
+    start_step = 0
+    resume_from = ckpt.resolve(cfg.resume)
+    if resume_from is not None:
+        state = ckpt.load(resume_from, run.strategy, run.raw_model, run.optimizer)
+        start_step = int(state["step"])
+        run.precision.load_state_dict(state.get("precision", {}))
+
+    loggers.start(resolved, run.run_dir, tcfg.max_steps)
+    if mesh.is_main:
+        print(f"[scalelab] {run.model_cfg.name}: {run.model_cfg.num_params() / 1e6:.2f}M params | "
+              f"{run.data.describe()} | {mesh.describe()} on {run.device} | {run.strategy.name} | "
+              f"{run.precision.name} | attention {cfg.attention_impl._target_.rsplit('.', 1)[-1]}"
+              + (f" | resumed at step {start_step} from {resume_from}" if resume_from else ""), flush=True)
+        if run.flops.peak_flops_per_device is None:
+            print(f"[scalelab] {run.flops.peak_source}", flush=True)
+
+    step_times: list[float] = []
+    history: list[dict[str, Any]] = []
+    first_loss = last_loss = val_loss = None
+    status = "ok"
+    window_start, window_steps = time.perf_counter(), 0
+    step = start_step
+    reset_peak_memory(run.device)
+    try:
+        while step < tcfg.max_steps:
+            t0 = time.perf_counter()
+            is_log = (step + 1) % tcfg.log_every == 0 or step == start_step or step + 1 == tcfg.max_steps
+            loss, norm = run.train_step(step, measure_norm=is_log)
+            step += 1
+            window_steps += 1
+            if is_log:
+                run.synchronize()
+                now = time.perf_counter()
+                step_s = (now - window_start) / window_steps
+                step_times.append(step_s)
+                window_start, window_steps = now, 0
+                last_loss = all_reduce_mean(loss, mesh)
+                first_loss = last_loss if first_loss is None else first_loss
+                rec = {"loss": last_loss, "lr": run.schedule(step - 1), "grad_norm": norm,
+                       "step_time_ms": step_s * 1e3, "tokens_per_s": run.tokens_per_step / step_s,
+                       "mfu": run.flops.mfu(step_s), "hfu": run.flops.hfu(step_s),
+                       "peak_mem_gib": peak_memory_gib(run.device), "skipped_steps": run.precision.skipped_steps,
+                       **run.strategy.step_metrics()}
+                require(math.isfinite(last_loss) or run.precision.scaler is not None, "optimizer.lr",
+                        f"the loss became {last_loss} at step {step}", "lower optimizer.lr or use bf16/fp32")
+                history.append(rec)
+                loggers.log(rec, step)
+            if tcfg.eval_every and step % tcfg.eval_every == 0 and step < tcfg.max_steps:
+                val_loss = run.evaluate()
+                loggers.log({"val_loss": val_loss}, step)
+            every = cfg.checkpoint.every
+            if (every and step % every == 0) or _STOP_REQUESTED:
+                ckpt.save(step, run.strategy, run.raw_model, run.optimizer,
+                          {"precision": run.precision.state_dict()})
+                window_start = time.perf_counter()  # keep checkpoint I/O out of step times
+            if _STOP_REQUESTED:
+                status = "preempted"
+                break
+        if status == "ok":
+            val_loss = run.evaluate()
+            loggers.log({"val_loss": val_loss}, step)
+            if cfg.checkpoint.at_end or cfg.checkpoint.every:
+                ckpt.save(step, run.strategy, run.raw_model, run.optimizer, {"precision": run.precision.state_dict()})
+        summary = _summary(run, status, step, first_loss, last_loss, val_loss, step_times, history)
+        loggers.summary(summary)
+        if mesh.is_main:
+            _write_summary(run.run_dir, summary)
+        return summary
+    finally:
+        loggers.finish()
+
+
+def _summary(run: Run, status: str, step: int, first_loss, last_loss, val_loss, step_times, history) -> dict[str, Any]:
+    # skip the first window (compilation, allocator warm-up) when there is more than one
+    steady = step_times[1:] if len(step_times) > 1 else step_times
+    step_s = statistics.median(steady) if steady else float("nan")
+    peaks = _gather_floats(peak_memory_gib(run.device), run.mesh)
+    comm = [h for h in history[1:] if "comm_ms" in h] or [h for h in history if "comm_ms" in h]
+    out = {
+        "status": status, "error": None, "steps": step,
+        "model": run.model_cfg.name, "params": run.model_cfg.num_params(),
+        "parallelism": run.strategy.name, "mesh": run.mesh.describe(), "world_size": run.mesh.world_size,
+        "device": str(torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else "cpu"),
+        "precision": run.precision.name, "batch_size": run.cfg.train.batch_size, "seq_len": run.data.seq_len,
+        "first_loss": first_loss, "final_loss": last_loss, "final_val_loss": val_loss,
+        "step_time_ms": step_s * 1e3, "tokens_per_s": run.tokens_per_step / step_s if step_s > 0 else None,
+        "mfu": run.flops.mfu(step_s), "hfu": run.flops.hfu(step_s), "mfu_peak_source": run.flops.peak_source,
+        "model_tflops_per_step": run.flops.model_flops_per_step / 1e12,
+        "peak_mem_gib": max(peaks), "peak_mem_gib_per_rank": peaks,
+        "skipped_steps": run.precision.skipped_steps,
+        **run.memory_marks, **memory_stats(run.device),
+    }
+    if comm:
+        out["comm_ms"] = statistics.median(h["comm_ms"] for h in comm)
+        if "exposed_comm_ms" in comm[0]:
+            out["exposed_comm_ms"] = statistics.median(h["exposed_comm_ms"] for h in comm)
+    return out
+
+
+def _write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "summary.json"
+    existing = json.loads(path.read_text()) if path.is_file() else {}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({**existing, **summary}, indent=2, default=str))
+    os.replace(tmp, path)

@@ -1,0 +1,100 @@
+"""One Hydra job -> one run: validate, then train in-process or start the worker ranks.
+
+The job composes and resolves its config once (so every rank shares one output
+directory and one `${now:}`), checks everything that can be checked without a GPU,
+and only then starts processes. A failing job writes `summary.json` with
+status "failed" and the error; in a multirun the sweep goes on to the next point.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from core.distributed.mesh import ParallelMesh, dist_env_present
+from core.errors import ConfigError
+
+
+def _job_context(cfg: DictConfig) -> dict[str, Any]:
+    """Sweep group/job name and the job's overrides, for W&B grouping and the sweep report."""
+    try:
+        hc = HydraConfig.get()
+    except ValueError:  # not under @hydra.main (tests calling run_job on a composed config)
+        return {"multirun": False, "overrides": [], "group": None, "job_type": "run", "name": None}
+    multirun = hc.mode == RunMode.MULTIRUN
+    return {
+        "multirun": multirun,
+        "overrides": list(hc.overrides.task),
+        "group": Path(hc.sweep.dir).name if multirun else None,
+        "job_type": "sweep" if multirun else "run",
+        "name": hc.job.override_dirname or None,
+    }
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def validate(cfg: DictConfig) -> ParallelMesh:
+    """Every check that needs no process group: model, mesh vs devices, strategy vs mesh, batch split."""
+    from core.trainer import validate_batch
+
+    instantiate(cfg.model)
+    mesh: ParallelMesh = instantiate(cfg.mesh)
+    mesh.validate_devices()
+    instantiate(cfg.parallelism).validate(mesh)
+    validate_batch(cfg, mesh.dp_size)
+    return mesh
+
+
+def run_job(cfg: DictConfig) -> dict[str, Any] | None:
+    """Run one job: resolve the config, validate, plan, then train on this process or on N ranks."""
+    ctx = _job_context(cfg)
+    run_dir: Path | None = None
+    try:
+        OmegaConf.resolve(cfg)  # ${hydra:...} and ${now:...} become plain values, once, in this process
+        with open_dict(cfg):
+            cfg._sweep = {k: ctx[k] for k in ("group", "job_type", "name")}
+        run_dir = Path(cfg.paths.run_dir)
+        mesh = validate(cfg)
+        if cfg.plan:
+            from core.planner import plan
+
+            prediction = plan(cfg)
+            print(prediction.format())
+            prediction.check_fits()
+            return prediction.to_dict()
+        if not dist_env_present() or int(os.environ.get("RANK", "0")) == 0:
+            _write_json(run_dir / "summary.json", {"status": "running", "overrides": ctx["overrides"]})
+        if mesh.world_size > 1 and not dist_env_present():
+            from launchers.local import launch_workers
+
+            return launch_workers(cfg, mesh.world_size)
+        from core.trainer import train
+
+        return train(cfg)
+    except (ConfigError, Exception) as e:  # noqa: B014 - ConfigError listed for the reader
+        bad_input = isinstance(e, ConfigError)
+        message = str(e) if bad_input else f"{type(e).__name__}: {e}"
+        if run_dir is not None and int(os.environ.get("RANK", "0")) == 0:
+            _write_json(run_dir / "summary.json", {"status": "failed", "error": message, "overrides": ctx["overrides"]})
+        if ctx["multirun"]:
+            print(f"[scalelab] job failed, sweep continues: {message}", file=sys.stderr, flush=True)
+            if not bad_input:
+                traceback.print_exc()
+            return None
+        if bad_input:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        raise

@@ -1,0 +1,31 @@
+"""scalelab's single entrypoint: `python train.py [group=option ...] [key=value ...]`.
+
+Examples:
+    python train.py                                  # tiny model, embedded corpus, CPU
+    python train.py model=xl precision=bf16 attention_impl=sdpa compile=true benchmark=on
+    python train.py -m mesh=dp1,dp2 parallelism=ddp_bucketed,zero1,fsdp model=small
+"""
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+# Started by torchrun (or SLURM+submitit) every rank runs this file; only rank 0 may
+# create Hydra's output directory, and all ranks must share it (hydra #2070): send the
+# other ranks' Hydra bookkeeping to a scratch directory; the trainer broadcasts rank 0's.
+if int(os.environ.get("RANK", "0")) > 0 and not any(a.startswith(("-m", "--multirun")) for a in sys.argv[1:]):
+    sys.argv += [f"hydra.run.dir={os.environ.get('TMPDIR', '/tmp')}/scalelab_rank{os.environ['RANK']}",
+                 "hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # worker errors must not be swallowed
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig):
+    from launchers.job import run_job
+
+    return run_job(cfg)
+
+
+if __name__ == "__main__":
+    main()
