@@ -136,7 +136,8 @@ class WandbLogger(Logger):
             group=self.group or sweep.get("group"), job_type=self.job_type or sweep.get("job_type", "run"),
             name=self.name or sweep.get("name") or run_dir.name, tags=self.tags,
             config={k: v for k, v in config.items() if k != "_sweep"}, reinit="finish_previous",
-            settings=wandb.Settings(start_method="thread", console="off", silent=True),
+            # wandb >= 0.19 always uses its service process; start_method="thread" is gone
+            settings=wandb.Settings(console="off", silent=True),
         )
         self.run.define_metric("loss", summary="min")
         self.run.define_metric("val_loss", summary="min")

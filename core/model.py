@@ -82,8 +82,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model))
 
     def forward(self, x: Tensor) -> Tensor:
-        # in float32 whatever the input (autocast leaves the residual stream fp32 anyway)
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        # at least float32 whatever the input (autocast leaves the residual stream fp32 anyway)
+        acc = torch.promote_types(x.dtype, torch.float32)
+        return F.rms_norm(x.to(acc), (x.shape[-1],), self.weight.to(acc), self.eps).to(x.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

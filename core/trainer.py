@@ -237,6 +237,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """Run one rank of a job (train, benchmark or profile); returns the summary on every rank."""
     global _STOP_REQUESTED
     _STOP_REQUESTED = False
+    torch.autograd.set_detect_anomaly(bool(cfg.detect_anomaly))
     run = build(cfg)
     try:
         if cfg.benchmark.enabled:
@@ -310,12 +311,13 @@ def _train_loop(run: Run) -> dict[str, Any]:
                 val_loss = run.evaluate()
                 loggers.log({"val_loss": val_loss}, step)
             every = cfg.checkpoint.every
-            if (every and step % every == 0) or _STOP_REQUESTED:
+            stop_here = tcfg.stop_at_step is not None and step >= tcfg.stop_at_step and step < tcfg.max_steps
+            if (every and step % every == 0) or _STOP_REQUESTED or stop_here:
                 ckpt.save(step, run.strategy, run.raw_model, run.optimizer,
                           {"precision": run.precision.state_dict()})
                 window_start = time.perf_counter()  # keep checkpoint I/O out of step times
-            if _STOP_REQUESTED:
-                status = "preempted"
+            if _STOP_REQUESTED or stop_here:
+                status = "preempted" if _STOP_REQUESTED else "stopped"
                 break
         if status == "ok":
             val_loss = run.evaluate()
@@ -325,7 +327,7 @@ def _train_loop(run: Run) -> dict[str, Any]:
         summary = _summary(run, status, step, first_loss, last_loss, val_loss, step_times, history)
         loggers.summary(summary)
         if mesh.is_main:
-            _write_summary(run.run_dir, summary)
+            write_summary(run.run_dir, summary)
         return summary
     finally:
         loggers.finish()
@@ -358,7 +360,8 @@ def _summary(run: Run, status: str, step: int, first_loss, last_loss, val_loss, 
     return out
 
 
-def _write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    """Merge `summary` into the run's summary.json (atomically; keys the job wrote first survive)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "summary.json"
     existing = json.loads(path.read_text()) if path.is_file() else {}

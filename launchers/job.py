@@ -46,6 +46,17 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def config_error_in(exc: BaseException) -> ConfigError | None:
+    """The ConfigError behind `exc`, if any (hydra.utils.instantiate wraps errors of the targets it calls)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, ConfigError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def validate(cfg: DictConfig) -> ParallelMesh:
     """Every check that needs no process group: model, mesh vs devices, strategy vs mesh, batch split."""
     from core.trainer import validate_batch
@@ -84,9 +95,10 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
         from core.trainer import train
 
         return train(cfg)
-    except (ConfigError, Exception) as e:  # noqa: B014 - ConfigError listed for the reader
-        bad_input = isinstance(e, ConfigError)
-        message = str(e) if bad_input else f"{type(e).__name__}: {e}"
+    except Exception as e:
+        config_error = config_error_in(e)
+        bad_input = config_error is not None
+        message = str(config_error) if bad_input else f"{type(e).__name__}: {e}"
         if run_dir is not None and int(os.environ.get("RANK", "0")) == 0:
             _write_json(run_dir / "summary.json", {"status": "failed", "error": message, "overrides": ctx["overrides"]})
         if ctx["multirun"]:

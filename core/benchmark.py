@@ -1,0 +1,97 @@
+"""Benchmark mode (CS336 2.1): w warm-up steps, then n timed steps of one kind, synchronising after each.
+
+Modes: `forward` (forward + loss, graph kept as in training), `forward_backward`
+(+ backward and gradient synchronisation), `train_step` (+ clipping and optimizer step).
+Prints a table and writes it (markdown and JSON) to the run directory.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from core.errors import require
+from core.metrics import peak_memory_gib, reset_peak_memory
+
+MODES = ("forward", "forward_backward", "train_step")
+
+
+def _step_fn(run, mode: str) -> Callable[[int], None]:
+    if mode == "forward":
+        return lambda step: run.loss(*run.micro_batch("train", step, 0))
+    if mode == "forward_backward":
+        def fb(step: int) -> None:
+            run.forward_backward(step)
+            run.optimizer.zero_grad(set_to_none=True)
+        return fb
+    return lambda step: run.train_step(step)
+
+
+def time_steps(run, mode: str, warmup: int, steps: int) -> list[float]:
+    """Seconds per step for `steps` timed steps after `warmup` untimed ones."""
+    fn = _step_fn(run, mode)
+    for i in range(warmup):
+        fn(i)
+    run.synchronize()
+    run.mesh.barrier()
+    reset_peak_memory(run.device)
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        fn(warmup + i)
+        run.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def run_benchmark(run) -> dict[str, Any]:
+    cfg = run.cfg.benchmark
+    require(cfg.mode in MODES, "benchmark.mode", f"unknown mode {cfg.mode!r}", f"use one of {', '.join(MODES)}")
+    require(cfg.steps >= 1 and cfg.warmup >= 0, "benchmark.steps", "need steps >= 1 and warmup >= 0",
+            "set benchmark.steps and benchmark.warmup")
+    times = time_steps(run, cfg.mode, cfg.warmup, cfg.steps)
+    ms = [t * 1e3 for t in times]
+    mean = statistics.fmean(ms)
+    std = statistics.stdev(ms) if len(ms) > 1 else 0.0
+    median = statistics.median(ms)
+    flops = run.flops.model_flops_per_step * {"forward": 1 / 3, "forward_backward": 1.0, "train_step": 1.0}[cfg.mode]
+    row = {
+        "status": "ok", "benchmark_mode": cfg.mode, "model": run.model_cfg.name, "precision": run.precision.name,
+        "attention": run.cfg.attention_impl._target_.rsplit(".", 1)[-1], "compile": bool(run.cfg.compile),
+        "parallelism": run.strategy.name, "mesh": run.mesh.describe(), "world_size": run.mesh.world_size,
+        "batch_size": run.cfg.train.batch_size, "seq_len": run.data.seq_len,
+        "warmup": cfg.warmup, "steps": cfg.steps, "mean_ms": mean, "std_ms": std, "median_ms": median,
+        "min_ms": min(ms), "step_time_ms": median,
+        "tokens_per_s": run.tokens_per_step / (median / 1e3),
+        "tflops_per_s_per_device": flops / (median / 1e3) / 1e12 / run.mesh.world_size,
+        "mfu": (flops / (median / 1e3) / (run.flops.peak_flops_per_device * run.mesh.world_size)
+                if run.flops.peak_flops_per_device else None),
+        "mfu_peak_source": run.flops.peak_source,
+        "peak_mem_gib": peak_memory_gib(run.device),
+        "times_ms": ms,
+    }
+    if run.mesh.is_main:
+        table = format_table([row])
+        print(table, flush=True)
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        (run.run_dir / "benchmark.md").write_text(table + "\n")
+        (run.run_dir / "benchmark.json").write_text(json.dumps(row, indent=2, default=str))
+        from core.trainer import write_summary
+
+        write_summary(run.run_dir, row)
+    return row
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = "| model | precision | attention | compile | mode | B x T | mean ms | std ms | median ms | tok/s | MFU | peak GiB |"
+    sep = "|" + "---|" * 12
+    lines = [head, sep]
+    for r in rows:
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
+        lines.append(f"| {r['model']} | {r['precision']} | {r['attention']} | {r['compile']} | {r['benchmark_mode']} | "
+                     f"{r['batch_size']}x{r['seq_len']} | {r['mean_ms']:.2f} | {r['std_ms']:.2f} | {r['median_ms']:.2f} | "
+                     f"{r['tokens_per_s']:,.0f} | {mfu} | {r['peak_mem_gib']:.2f} |")
+    return "\n".join(lines)
