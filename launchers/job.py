@@ -64,7 +64,11 @@ def validate(cfg: DictConfig) -> ParallelMesh:
     instantiate(cfg.model)
     mesh: ParallelMesh = instantiate(cfg.mesh)
     mesh.validate_devices()
-    instantiate(cfg.parallelism).validate(mesh)
+    strategy = instantiate(cfg.parallelism)
+    strategy.validate(mesh)
+    if cfg.activation_checkpointing and not strategy.supports_activation_checkpointing:
+        raise ConfigError("activation_checkpointing", f"parallelism={strategy.name} cannot recompute activations yet",
+                          "set activation_checkpointing=0 or use parallelism=torch_fsdp2")
     validate_batch(cfg, mesh.dp_size)
     return mesh
 

@@ -45,6 +45,7 @@ class Strategy:
     name: str = "none"
     checkpoint_format: Literal["full", "dcp"] = "full"  # full: rank 0 torch.save; dcp: torch.distributed.checkpoint
     requires_world_size_above_one: bool = False
+    supports_activation_checkpointing: bool = True
 
     def validate(self, mesh: ParallelMesh) -> None:
         """Raise `ConfigError` if this strategy cannot run on `mesh` (called before any process starts)."""
@@ -97,9 +98,11 @@ def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: set[int] = set()
     total = 0
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
-            local = t.to_local() if hasattr(t, "to_local") else t
-            seen.add(t.data_ptr())
+        if not isinstance(t, torch.Tensor):
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor counts its local shard
+        if local.data_ptr() not in seen:
+            seen.add(local.data_ptr())
             total += local.numel() * local.element_size()
     return total
 

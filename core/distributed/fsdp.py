@@ -1,0 +1,406 @@
+"""Our fully-sharded data parallel (CS336 section 7, FSDP / ZeRO-3 style).
+
+What is sharded: the `weight` of every `nn.Linear` and `nn.Embedding`, by rows (dim 0, padded to a
+multiple of the group size; the shard keeps the weight's name and rank, so weight-decay groups by
+`ndim` still work). Everything else (norms, biases) stays replicated; its gradients are all-reduced.
+
+One step, per sharded weight ("unit"; a tied weight is one unit used by two modules):
+  forward   just before the module runs, its weight is all-gathered (cast to `compute_dtype` first,
+            so the gather moves bf16), while the next `prefetch` units' gathers are already in
+            flight (launched asynchronously; NCCL runs them on its own stream). The module's
+            weight is swapped for the gathered tensor during its forward and dropped right after:
+            autograd does not keep it (a saved-tensor hook stores a marker instead).
+  backward  when autograd needs the weight again, the marker is unpacked by gathering it again
+            (prefetching the next `prefetch` units in backward order); the full-weight gradient is
+            reduce-scattered (in `reduce_dtype`, default fp32) into the fp32 shard's `.grad`, so
+            gradients have the shape and dtype of the master shards.
+  step      the optimizer updates the fp32 shards only (master weights stay fp32).
+Gradient accumulation reduce-scatters every micro-step (unsharded gradients are never kept).
+Not combined with activation checkpointing (the recomputed forward would gather again).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from core.distributed.comm import (CommTimer, all_gather_flat, broadcast_module, group_rank, group_size,
+                                   init_optimizer_state, reduce_scatter_flat, supports_avg)
+from core.distributed.ddp import require_pure_dp
+from core.distributed.mesh import ParallelMesh
+from core.distributed.strategy import Strategy, materialize
+from core.errors import require
+
+
+def _dtype(x):
+    if x is None or isinstance(x, torch.dtype):
+        return x
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(x) or getattr(torch, x)
+
+
+class _Unit:
+    """One sharded weight: its fp32 shard (the master) and its full shape."""
+
+    def __init__(self, index: int, shard: nn.Parameter, full_shape: torch.Size, rows: int) -> None:
+        self.index, self.shard, self.full_shape, self.rows = index, shard, full_shape, rows
+        self.pending = None        # (buffer, work) of an in-flight all-gather
+        self.bwd_buf = None        # the gathered weight held for this backward
+        self.fwd_buf = None
+
+
+class _GatherWeight(torch.autograd.Function):
+    """shard -> full weight (forward: all-gather); full grad -> reduce-scatter into shard.grad (backward)."""
+
+    @staticmethod
+    def forward(ctx, shard, unit, fsdp):
+        ctx.unit, ctx.fsdp = unit, fsdp
+        buf = fsdp._take_gathered(unit)
+        unit.fwd_buf = buf
+        return buf[: unit.full_shape[0]]
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.fsdp._reduce_scatter(ctx.unit, grad)
+        ctx.unit.bwd_buf = None
+        return None, None, None
+
+
+class FullyShardedDataParallel(nn.Module):
+    def __init__(self, module: nn.Module, process_group: Optional[dist.ProcessGroup] = None,
+                 compute_dtype: Any = None, reduce_dtype: Any = None, prefetch: int = 2,
+                 timer: Optional[CommTimer] = None) -> None:
+        super().__init__()
+        require(0 <= prefetch <= 2, "parallelism.prefetch", f"must be 0, 1 or 2 units ahead, got {prefetch}",
+                "set parallelism.prefetch to 0..2")
+        self.module = module
+        self.process_group = process_group
+        self.world, self.rank = group_size(process_group), group_rank(process_group)
+        self.avg_in_op = supports_avg(process_group)
+        self.compute_dtype, self.reduce_dtype = _dtype(compute_dtype), _dtype(reduce_dtype)
+        self.prefetch = prefetch
+        device = next(module.parameters()).device
+        self.timer = timer if timer is not None else CommTimer(device, enabled=False)
+        broadcast_module(module, process_group)
+        self.units: list[_Unit] = []
+        by_param: dict[int, _Unit] = {}
+        for m in module.modules():
+            if not isinstance(m, (nn.Linear, nn.Embedding)):
+                continue
+            w = m._parameters["weight"]
+            if id(w) not in by_param:
+                by_param[id(w)] = self._shard(w)
+            unit = by_param[id(w)]
+            m._parameters["weight"] = unit.shard
+            m.register_forward_pre_hook(self._make_pre_hook(unit))
+            m.register_forward_hook(self._make_post_hook(unit))
+        shard_ids = {id(u.shard) for u in self.units}
+        seen: set[int] = set()
+        self.replicated = []
+        for p in module.parameters():
+            if id(p) not in shard_ids and p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self.replicated.append(p)
+        self._order: list[_Unit] = []      # forward order of unit uses, recorded on the first forward
+        self._recording = True
+        self._saves: list[int] = []         # positions whose weight autograd saved (needed in backward)
+        self._pos = 0
+        self._pending_rs: list[tuple] = []
+        self._ctx_stack: list = []
+        self._bias_stack: list = []
+
+    # ---- sharding ----
+    @torch.no_grad()
+    def _shard(self, w: nn.Parameter) -> _Unit:
+        rows = math.ceil(w.shape[0] / self.world)
+        local = torch.zeros((rows,) + tuple(w.shape[1:]), dtype=w.dtype, device=w.device)
+        lo, hi = self.rank * rows, min(w.shape[0], (self.rank + 1) * rows)
+        if hi > lo:
+            local[: hi - lo].copy_(w[lo:hi])
+        unit = _Unit(len(self.units), nn.Parameter(local, requires_grad=w.requires_grad), w.shape, rows)
+        self.units.append(unit)
+        return unit
+
+    def valid_rows(self, unit: _Unit) -> int:
+        return max(0, min(unit.rows, unit.full_shape[0] - self.rank * unit.rows))
+
+    # ---- all-gather ----
+    def _launch_gather(self, unit: _Unit) -> None:
+        if unit.pending is not None:
+            return
+        src = unit.shard.detach()
+        if self.compute_dtype is not None and src.dtype != self.compute_dtype:
+            src = src.to(self.compute_dtype)
+        if self.world == 1:
+            unit.pending = (src, None)
+            return
+        buf = torch.empty((self.world * unit.rows,) + tuple(unit.full_shape[1:]), dtype=src.dtype, device=src.device)
+        work = all_gather_flat(buf, src.contiguous(), group=self.process_group, async_op=True)
+        unit.pending = (buf, self.timer.launched(work))
+
+    def _take_gathered(self, unit: _Unit) -> torch.Tensor:
+        self._launch_gather(unit)
+        buf, work = unit.pending
+        unit.pending = None
+        self.timer.wait(work)
+        return buf
+
+    # ---- forward hooks ----
+    def _make_pre_hook(self, unit: _Unit):
+        def pre(module: nn.Module, args):
+            pos = self._pos
+            self._pos += 1
+            if self._recording:
+                self._order.append(unit)
+            else:
+                for j in range(pos + 1, min(pos + 1 + self.prefetch, len(self._order))):
+                    self._launch_gather(self._order[j])
+            full = _GatherWeight.apply(unit.shard, unit, self)
+            module._parameters["weight"] = full
+            bias = module._parameters.get("bias")
+            if self.compute_dtype is not None and bias is not None:  # replicated bias computes in it too
+                module._parameters["bias"] = bias.to(self.compute_dtype)
+                self._bias_stack.append(bias)
+            if torch.is_grad_enabled() and unit.shard.requires_grad:
+                ctx = torch.autograd.graph.saved_tensors_hooks(*self._pack_hooks(unit, pos))
+            else:
+                ctx = contextlib.nullcontext()
+            ctx.__enter__()
+            self._ctx_stack.append(ctx)
+            if self.compute_dtype is not None:
+                args = tuple(a.to(self.compute_dtype) if torch.is_tensor(a) and a.is_floating_point() else a
+                             for a in args)
+            return args
+        return pre
+
+    def _make_post_hook(self, unit: _Unit):
+        def post(module: nn.Module, args, output):
+            self._ctx_stack.pop().__exit__(None, None, None)
+            module._parameters["weight"] = unit.shard
+            if self.compute_dtype is not None and module._parameters.get("bias") is not None:
+                module._parameters["bias"] = self._bias_stack.pop()
+            unit.fwd_buf = None
+        return post
+
+    def _pack_hooks(self, unit: _Unit, pos: int):
+        def pack(t: torch.Tensor):
+            buf = unit.fwd_buf
+            if buf is not None and t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+                if self._recording and pos not in self._saves:
+                    self._saves.append(pos)
+                return ("fsdp-weight", unit, pos, t.size(), t.stride(), t.storage_offset())
+            return t
+
+        def unpack(x):
+            if not (isinstance(x, tuple) and len(x) == 6 and x[0] == "fsdp-weight"):
+                return x
+            _, u, p, size, stride, offset = x
+            if u.bwd_buf is None:
+                u.bwd_buf = self._take_gathered(u)
+            earlier = [q for q in self._saves if q < p][::-1][: self.prefetch]
+            for q in earlier:
+                self._launch_gather(self._order[q])
+            return u.bwd_buf.as_strided(size, stride, offset)
+        return pack, unpack
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pos and self._recording:
+            self._recording = False  # the first forward has recorded the order
+        self._pos = 0
+        out = self.module(*args, **kwargs)
+        self._saves.sort()
+        return out
+
+    # ---- gradients ----
+    def _reduce_scatter(self, unit: _Unit, grad: torch.Tensor) -> None:
+        rd = self.reduce_dtype or unit.shard.dtype
+        g = grad.to(rd)
+        n = self.world * unit.rows
+        if n != unit.full_shape[0]:
+            padded = torch.zeros((n,) + tuple(unit.full_shape[1:]), dtype=rd, device=g.device)
+            padded[: unit.full_shape[0]].copy_(g)
+            g = padded
+        if self.world == 1:
+            self._pending_rs.append((unit, g, None))
+        else:
+            out = torch.empty((unit.rows,) + tuple(unit.full_shape[1:]), dtype=rd, device=g.device)
+            op = dist.ReduceOp.AVG if self.avg_in_op else dist.ReduceOp.SUM
+            work = reduce_scatter_flat(out, g.contiguous(), op=op, group=self.process_group, async_op=True)
+            self._pending_rs.append((unit, out, self.timer.launched(work)))
+        while len(self._pending_rs) > max(2, self.prefetch + 1):  # bound the full-size grads in flight
+            self._complete_rs(*self._pending_rs.pop(0))
+
+    @torch.no_grad()
+    def _complete_rs(self, unit: _Unit, out: torch.Tensor, work) -> None:
+        self.timer.wait(work)
+        if work is not None and not self.avg_in_op:
+            out.div_(self.world)
+        shard = unit.shard
+        if shard.grad is None:
+            shard.grad = out.to(shard.dtype) if out.dtype != shard.dtype else out
+        else:
+            shard.grad.add_(out.to(shard.dtype))
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self) -> None:
+        while self._pending_rs:
+            self._complete_rs(*self._pending_rs.pop(0))
+        for u in self.units:  # drop gathers of weights the optimizer is about to change
+            u.bwd_buf = None
+            if u.pending is not None:
+                if u.pending[1] is not None:
+                    u.pending[1].wait()
+                u.pending = None
+        if self.world == 1:
+            return
+        grads = [p.grad for p in self.replicated if p.grad is not None]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for gs in by_dtype.values():
+            flat = torch._utils._flatten_dense_tensors(gs)
+            with self.timer.blocking():
+                dist.all_reduce(flat, op=dist.ReduceOp.AVG if self.avg_in_op else dist.ReduceOp.SUM,
+                                group=self.process_group)
+            if not self.avg_in_op:
+                flat.div_(self.world)
+            for g, s in zip(gs, torch._utils._unflatten_dense_tensors(flat, gs)):
+                g.copy_(s)
+
+    # ---- full parameters, sharded state ----
+    def is_sharded(self, p: nn.Parameter) -> Optional[_Unit]:
+        for u in self.units:
+            if u.shard is p:
+                return u
+        return None
+
+    @torch.no_grad()
+    def gather_full(self, unit: _Unit, tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """All-gather a shard-shaped tensor (default: the fp32 master shard) into the full weight."""
+        t = (unit.shard if tensor is None else tensor).detach().contiguous()
+        if self.world == 1:
+            return t[: unit.full_shape[0]].clone()
+        buf = torch.empty((self.world * unit.rows,) + tuple(unit.full_shape[1:]), dtype=t.dtype, device=t.device)
+        all_gather_flat(buf, t, group=self.process_group)
+        return buf[: unit.full_shape[0]].clone()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, p in self.module.named_parameters():
+            u = self.is_sharded(p)
+            out[name] = self.gather_full(u) if u is not None else p.detach()
+        return out
+
+
+def _shard_dtensor(local: torch.Tensor, full_shape, device_mesh):
+    from torch.distributed.tensor import DTensor, Shard
+
+    stride = torch.empty(full_shape, device="meta").stride()
+    return DTensor.from_local(local, device_mesh, [Shard(0)], run_check=False, shape=torch.Size(full_shape),
+                              stride=stride)
+
+
+class FSDPStrategy(Strategy):
+    """`parallelism=fsdp`: our FullyShardedDataParallel; checkpoints through torch.distributed.checkpoint."""
+
+    name = "fsdp"
+    checkpoint_format = "dcp"
+    supports_activation_checkpointing = False  # its saved-tensor hooks free gathered weights; recompute would miss them
+
+    def __init__(self, compute_dtype: Any = None, reduce_dtype: Any = None, prefetch: int = 2) -> None:
+        self.kwargs = dict(compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, prefetch=prefetch)
+
+    def validate(self, mesh: ParallelMesh) -> None:
+        require_pure_dp(mesh, self.name)
+        require(mesh.dp_replicate == 1, "mesh.dp_replicate", "our fsdp shards over the whole data-parallel group",
+                "use mesh.dp_shard for the data-parallel size (or torch_fsdp2 for HSDP)")
+
+    def setup(self, model: nn.Module, mesh: ParallelMesh, init_fn) -> nn.Module:
+        self.mesh = mesh
+        model = materialize(model, mesh.device_obj, init_fn)
+        self.timer = CommTimer(mesh.device_obj)
+        self.wrapped = FullyShardedDataParallel(model, mesh.group("dp"), timer=self.timer, **self.kwargs)
+        return self.wrapped
+
+    def finish_gradient_synchronization(self) -> None:
+        self.wrapped.finish_gradient_synchronization()
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        w = self.wrapped
+        dev = self.mesh.device_obj
+        sharded = [u.shard.grad for u in w.units if u.shard.grad is not None]
+        repl = [p.grad for p in w.replicated if p.grad is not None]
+        sq = torch.zeros((), device=dev)
+        for g in sharded:
+            sq += g.float().pow(2).sum()
+        if w.world > 1:
+            dist.all_reduce(sq, group=w.process_group)
+        for g in repl:  # identical on every rank after the all-reduce
+            sq += g.float().pow(2).sum()
+        norm = sq.sqrt()
+        if max_norm > 0 and math.isfinite(max_norm):
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for g in sharded + repl:
+                g.mul_(coef.to(g.dtype))
+        return norm
+
+    def _wrap(self, p: nn.Parameter, t: torch.Tensor):
+        u = self.wrapped.is_sharded(p)
+        if u is None or not torch.is_tensor(t) or t.shape != p.shape or self.wrapped.world == 1:
+            return t
+        return _shard_dtensor(t[: self.wrapped.valid_rows(u)], u.full_shape, self.mesh.submesh("dp"))
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        init_optimizer_state(optimizer)
+        named = list(self.wrapped.module.named_parameters())
+        model_sd = {n: self._wrap(p, p.detach()) for n, p in named}
+        model_sd.update({n: b for n, b in self.wrapped.module.named_buffers()})
+        osd = optimizer.state_dict()
+        index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+        name_of = {index[id(p)]: n for n, p in named if id(p) in index}
+        param_of = {index[id(p)]: p for _, p in named if id(p) in index}
+        state = {name_of[i]: {k: self._wrap(param_of[i], v) for k, v in s.items()} for i, s in osd["state"].items()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[i] for i in g["params"]]}
+                  for g in osd["param_groups"]]
+        return {"model": model_sd, "optimizer": {"state": state, "param_groups": groups}}
+
+    @torch.no_grad()
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        def local(t):
+            return t.to_local() if hasattr(t, "to_local") else t
+
+        tensors = dict(self.wrapped.module.named_parameters())
+        tensors.update(dict(self.wrapped.module.named_buffers()))
+        for n, t in tensors.items():
+            if n in state["model"]:
+                src = local(state["model"][n])
+                t.detach()[: src.shape[0]].copy_(src)
+        named = dict(self.wrapped.module.named_parameters())
+        osd = optimizer.state_dict()
+        index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+        new_state = {}
+        for n, s in state["optimizer"]["state"].items():
+            p = named[n]
+            cur = optimizer.state.get(p, {})
+            ns = {}
+            for k, v in s.items():
+                v = local(v)
+                if torch.is_tensor(v) and torch.is_tensor(cur.get(k)) and cur[k].dim() and v.shape != cur[k].shape:
+                    full = cur[k].clone()
+                    full[: v.shape[0]].copy_(v)
+                    v = full
+                ns[k] = v.clone() if torch.is_tensor(v) else v
+            new_state[index[id(p)]] = ns
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(named[n])] for n in g["params"]]}
+                  for g in state["optimizer"]["param_groups"]]
+        osd = {"state": new_state, "param_groups": groups}
+        optimizer.load_state_dict(osd)
+
+    def full_parameters(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return self.wrapped.full_parameters()
+
+    def step_metrics(self) -> dict[str, float]:
+        return self.timer.metrics()

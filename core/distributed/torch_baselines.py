@@ -1,0 +1,150 @@
+"""PyTorch's own data parallelism as baselines: DistributedDataParallel and FSDP2 `fully_shard`.
+
+torch_ddp    DDP with 25 MB buckets, gradients as bucket views (no copy back), `static_graph`
+             off (our models may change), broadcast of rank 0's parameters at construction.
+torch_fsdp2  `fully_shard` per TransformerBlock and then the root, reshard after forward, bf16
+             `param_dtype` / fp32 `reduce_dtype` when `compute_dtype` is set (what the reference
+             measured); checkpoints through torch.distributed.checkpoint's state_dict helpers.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from core.distributed.comm import CommTimer, broadcast_module, init_optimizer_state
+from core.distributed.ddp import require_pure_dp, unwrap
+from core.distributed.fsdp import _dtype
+from core.distributed.mesh import ParallelMesh
+from core.distributed.strategy import Strategy, materialize
+
+
+class TorchDDPStrategy(Strategy):
+    name = "torch_ddp"
+
+    def __init__(self, bucket_cap_mb: float = 25.0, gradient_as_bucket_view: bool = True,
+                 static_graph: bool = False) -> None:
+        self.kwargs = dict(bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
+                           static_graph=static_graph)
+
+    def validate(self, mesh: ParallelMesh) -> None:
+        require_pure_dp(mesh, self.name)
+
+    def setup(self, model: nn.Module, mesh: ParallelMesh, init_fn) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.mesh = mesh
+        model = materialize(model, mesh.device_obj, init_fn)
+        pg = mesh.group("dp")
+        if pg is None:
+            self.wrapped = model
+            return model
+        dev = mesh.device_obj
+        self.wrapped = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, process_group=pg,
+                           broadcast_buffers=False, **self.kwargs)
+        return self.wrapped
+
+    def gradient_sync(self, enabled: bool):
+        if enabled or not hasattr(self.wrapped, "no_sync"):
+            return contextlib.nullcontext()
+        return self.wrapped.no_sync()
+
+    def state_dict(self, model, optimizer):
+        return {"model": _inner(model).state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load_state_dict(self, model, optimizer, state):
+        _inner(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    def full_parameters(self, model):
+        return {n: p.detach() for n, p in _inner(model).named_parameters()}
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    model = unwrap(model)
+    return model.module if hasattr(model, "module") and isinstance(model, nn.parallel.DistributedDataParallel) \
+        else model
+
+
+class TorchFSDP2Strategy(Strategy):
+    name = "torch_fsdp2"
+    checkpoint_format = "dcp"
+
+    def __init__(self, compute_dtype: Any = None, reduce_dtype: Any = "float32",
+                 reshard_after_forward: bool = True) -> None:
+        self.compute_dtype, self.reduce_dtype = _dtype(compute_dtype), _dtype(reduce_dtype)
+        self.reshard_after_forward = reshard_after_forward
+
+    def validate(self, mesh: ParallelMesh) -> None:
+        require_pure_dp(mesh, self.name)
+
+    def setup(self, model: nn.Module, mesh: ParallelMesh, init_fn) -> nn.Module:
+        try:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.mesh = mesh
+        model = materialize(model, mesh.device_obj, init_fn)  # identical init on every rank (seeded)
+        if mesh.world_size == 1:
+            self.wrapped = model
+            return model
+        broadcast_module(model, mesh.group("dp"))
+        mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype)
+        dm = mesh.submesh("dp")
+        if mesh.dp_replicate > 1:
+            dm = mesh.device_mesh[("dp_replicate", "dp_shard")]
+        blocks = getattr(model, "blocks", None)
+        for block in (blocks if blocks is not None else []):
+            fully_shard(block, mesh=dm, mp_policy=mp, reshard_after_forward=self.reshard_after_forward)
+        fully_shard(model, mesh=dm, mp_policy=mp, reshard_after_forward=self.reshard_after_forward)
+        self.wrapped = model
+        return model
+
+    def gradient_sync(self, enabled: bool):
+        if hasattr(self.wrapped, "set_requires_gradient_sync"):
+            self.wrapped.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        params = [p for p in self.wrapped.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def state_dict(self, model, optimizer):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        if self.mesh.world_size == 1:
+            return super().state_dict(model, optimizer)
+        init_optimizer_state(optimizer)
+        return {"model": get_model_state_dict(self.wrapped), "optimizer": get_optimizer_state_dict(self.wrapped, optimizer)}
+
+    def load_state_dict(self, model, optimizer, state):
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        if self.mesh.world_size == 1:
+            return super().load_state_dict(model, optimizer, state)
+        set_model_state_dict(self.wrapped, state["model"])
+        set_optimizer_state_dict(self.wrapped, optimizer, state["optimizer"])
+
+    def full_parameters(self, model):
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+                for n, p in self.wrapped.named_parameters()}
+
+    def memory_breakdown(self, model, optimizer):
+        # DTensors: count each rank's local shard (the base helper dedups by data_ptr, which DTensors share)
+        def nbytes(ts):
+            total = 0
+            for t in ts:
+                t = t.to_local() if hasattr(t, "to_local") else t
+                total += t.numel() * t.element_size()
+            return total
+
+        params = list(self.wrapped.parameters())
+        state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        return {"param_bytes": nbytes(params), "grad_bytes": nbytes(p.grad for p in params if p.grad is not None),
+                "optimizer_state_bytes": nbytes(state)}

@@ -1,0 +1,90 @@
+"""The CS336 end-to-end benchmark table (section 2.1.3), one command:
+
+    python experiments/e2e_table.py [--sizes small,medium,large,xl,10b,leaderboard_8b] [--precisions fp32,bf16]
+
+Every model size x precision x {forward, forward_backward, train_step}: mean and standard
+deviation over timed steps after warm-up, synchronising after every step, B=4, T=512 by
+default, through the trainer's own benchmark mode (`core.benchmark.time_steps`). Out of
+memory is shown as such. Writes a markdown table to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from core.benchmark import MODES, time_steps  # noqa: E402
+from core.trainer import build  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="small,medium,large,xl,10b,leaderboard_8b")
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--extra", default="", help="more overrides, comma separated (e.g. compile=true)")
+    ap.add_argument("--out", type=Path, default=Path("e2e_table.md"))
+    args = ap.parse_args()
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    header = [f"device: {device} | torch {torch.__version__} | {time.strftime('%Y-%m-%d')} | B={args.batch} "
+              f"T={args.seq} | warmup {args.warmup}, {args.steps} timed steps, synchronised each step",
+              f"command: python experiments/e2e_table.py --sizes {args.sizes} --precisions {args.precisions} "
+              f"--batch {args.batch} --seq {args.seq} --warmup {args.warmup} --steps {args.steps}"
+              + (f" --extra {args.extra}" if args.extra else ""), "",
+              "| model | params | precision | mode | mean ms | std ms | tok/s | MFU | peak GiB |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    rows = []
+    for size in args.sizes.split(","):
+        for prec in args.precisions.split(","):
+            overrides = [f"model={size}", f"precision={prec}", "data=synthetic", "logger=none",
+                         f"train.batch_size={args.batch}", f"data.seq_len={args.seq}", "optimizer.grad_clip=0",
+                         f"paths.run_dir={args.out.parent / 'e2e_runs'}", f"paths.output_root={args.out.parent}"]
+            overrides += [o for o in args.extra.split(",") if o]
+            with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+                cfg = compose(config_name="config", overrides=overrides)
+            run = None
+            try:
+                run = build(cfg)
+                for mode in args.modes.split(","):
+                    try:
+                        ms = [t * 1e3 for t in time_steps(run, mode, args.warmup, args.steps)]
+                        mean, std = statistics.fmean(ms), statistics.stdev(ms) if len(ms) > 1 else 0.0
+                        share = 1 / 3 if mode == "forward" else 1.0
+                        mfu = run.flops.mfu(mean / 1e3)
+                        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+                        rows.append(f"| {size} | {run.model_cfg.num_params() / 1e9:.2f}B | {prec} | {mode} | {mean:.1f} | "
+                                    f"{std:.1f} | {run.tokens_per_step / (mean / 1e3):,.0f} | "
+                                    f"{(mfu * share if mfu is not None else float('nan')):.1%} | {peak:.1f} |")
+                    except torch.cuda.OutOfMemoryError:
+                        rows.append(f"| {size} | | {prec} | {mode} | OOM | | | | |")
+                        run.optimizer.zero_grad(set_to_none=True)
+                        gc.collect()
+                        torch.cuda.empty_cache()
+                    print(rows[-1], flush=True)
+            except torch.cuda.OutOfMemoryError:
+                rows.append(f"| {size} | | {prec} | (model + optimizer) | OOM | | | | |")
+                print(rows[-1], flush=True)
+            finally:
+                del run
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            args.out.write_text("\n".join(header + rows) + "\n")
+    print("\n".join(header + rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Spawn helper for multi-rank gloo tests: free port, per-test timeout, the failing rank's traceback.
+
+    run_ranks(fn, world_size=2, args=(...))   # fn(rank, world_size, *args) runs in each rank
+
+Each rank joins a gloo process group (CPU) with a short collective timeout, so a broken
+test fails within `timeout_s` instead of hanging CI. Several checks should share one spawn:
+starting a group costs seconds.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn, args, timeout_s: float, err_q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        fn(rank, world_size, *args)
+        dist.barrier()
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
+        err_q.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int = 2, args: tuple = (), timeout_s: float = 60.0) -> None:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; raise with the first rank's traceback."""
+    ctx = mp.get_context("spawn")
+    err_q = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, timeout_s, err_q), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = timeout_s * 2 + 30
+    for p in procs:
+        p.join(deadline)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    errors = []
+    while not err_q.empty():
+        errors.append(err_q.get())
+    if errors:
+        rank, tb = sorted(errors)[0]
+        raise AssertionError(f"rank {rank} failed:\n{tb}")
+    if alive:
+        raise AssertionError(f"{len(alive)} rank(s) still running after {deadline:.0f}s (hang)")
+    bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        raise AssertionError(f"rank(s) exited abnormally: {bad}")
+
+
+# ---- CS336-style toy models ------------------------------------------------------------------
+class ToyModel(torch.nn.Module):
+    """CS336 section 5 toy model: Linear, LayerNorm, Linear, with a frozen parameter."""
+
+    def __init__(self, d_in: int = 10, d_out: int = 5) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.fc1 = nn.Linear(d_in, 10, bias=False)
+        self.ln = nn.LayerNorm(10)
+        self.fc2 = nn.Linear(10, d_out, bias=False)
+        self.relu = nn.ReLU()
+        self.no_grad_fixed_param = nn.Parameter(torch.tensor([2.0, 2.0]), requires_grad=False)
+
+    def forward(self, x):
+        return self.fc2(self.relu(self.ln(self.fc1(x))))
+
+
+class ToyTiedModel(torch.nn.Module):
+    """Token embedding tied to the output head, a frozen Linear, a biased Linear, a norm."""
+
+    def __init__(self, vocab: int = 37, d: int = 12) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.emb = nn.Embedding(vocab, d)
+        self.frozen = nn.Linear(d, d, bias=False)
+        self.frozen.weight.requires_grad_(False)
+        self.fc1 = nn.Linear(d, 3 * d, bias=True)
+        self.ln = nn.LayerNorm(3 * d)
+        self.fc2 = nn.Linear(3 * d, d, bias=False)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        x = self.frozen(self.emb(tokens))
+        x = x + self.fc2(self.ln(torch.relu(self.fc1(x))))
+        return self.head(x)
+
+
+def toy_batches(kind: str, steps: int, batch: int = 8, seed: int = 123):
+    """Deterministic (input, target) batches, identical on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        if kind == "toy":
+            out.append((torch.randn(batch, 10, generator=g), torch.randint(0, 5, (batch,), generator=g)))
+        else:
+            out.append((torch.randint(0, 37, (batch, 6), generator=g), torch.randint(0, 37, (batch, 6), generator=g)))
+    return out
+
+
+def toy_loss(logits, target):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def make_toy(kind: str, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return ToyModel() if kind == "toy" else ToyTiedModel()
