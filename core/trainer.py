@@ -181,9 +181,11 @@ def instantiate_mesh(cfg: DictConfig) -> ParallelMesh:
 
 def build(cfg: DictConfig) -> Run:
     """Assemble one rank's run from the config."""
-    run_dir = Path(cfg.paths.run_dir)
     model_cfg: ModelConfig = instantiate(cfg.model)
     mesh = instantiate_mesh(cfg).init()
+    # under torchrun every rank composed its own config: all must share rank 0's directories
+    cfg.paths.run_dir, cfg.checkpoint.dir = mesh.broadcast_object((cfg.paths.run_dir, cfg.checkpoint.dir))
+    run_dir = Path(cfg.paths.run_dir)
     strategy: Strategy = instantiate(cfg.parallelism)
     strategy.validate(mesh)
     local_batch = validate_batch(cfg, mesh.dp_size)

@@ -51,6 +51,7 @@ class ParallelMesh:
                 f"expert parallel degree {self.ep} does not divide dp_shard*cp={self.dp_shard * self.cp}",
                 "choose mesh.ep dividing mesh.dp_shard * mesh.cp")
         self._device_mesh = None
+        self._flat: dict = {}
         self._rank = 0
         self._local_rank = 0
         self._initialized = False
@@ -120,7 +121,8 @@ class ParallelMesh:
 
             shape = tuple(getattr(self, a) for a in _RANK_AXES)
             self._device_mesh = init_device_mesh(dev, shape, mesh_dim_names=_RANK_AXES)
-            self._device_mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+            # keep the flattened mesh: slicing a flattened dim from the root is deprecated (torch 2.11)
+            self._flat = {"dp": self._device_mesh[("dp_replicate", "dp_shard")]._flatten("dp")}
         self._device = torch.device(dev, self._local_rank) if dev == "cuda" else torch.device("cpu")
         if dev == "cuda" and self.world_size == 1:
             torch.cuda.set_device(self._device)
@@ -156,7 +158,9 @@ class ParallelMesh:
 
     def submesh(self, name: str):
         """Sub-mesh of one named axis (or the flattened 'dp'); None in a single-process run."""
-        return None if self._device_mesh is None else self._device_mesh[name]
+        if self._device_mesh is None:
+            return None
+        return self._flat[name] if name in self._flat else self._device_mesh[name]
 
     def group(self, name: str = "dp") -> Optional[dist.ProcessGroup]:
         """Process group of one axis; None in a single-process run."""
@@ -167,6 +171,14 @@ class ParallelMesh:
     def dp_rank(self) -> int:
         sub = self.submesh("dp")
         return 0 if sub is None else sub.get_local_rank()
+
+    def broadcast_object(self, obj):
+        """Rank 0's value of `obj` on every rank (identity on one rank)."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def barrier(self) -> None:
         if dist.is_available() and dist.is_initialized():
