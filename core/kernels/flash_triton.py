@@ -1,0 +1,613 @@
+"""FlashAttention-2 forward and backward in Triton (CS336 section 4.2).
+
+    from core.kernels.flash_triton import FlashAttentionTriton
+    out = FlashAttentionTriton.apply(q, k, v, is_causal)   # q (..., N_q, d), k/v (..., N_k, d)
+
+Kernels (plain pointer arithmetic, so the same source runs on Triton 3.6 and 3.9):
+- forward: one program per (batch x head, query tile); one loop over key tiles with an
+  online softmax in base 2 (log2(e) folded into the scale), fp32 accumulators, output
+  cast on store. Causal: key tiles above the diagonal are never visited; the tiles that
+  need no mask run in a loop without masks, the diagonal (and ragged-end) tiles in a
+  second loop with masks. Heavy causal tiles (late queries) are launched first.
+- backward, two passes (no atomics): `_bwd_dq_kernel` computes delta = rowsum(dO * O)
+  for its query tile, stores it, and accumulates dQ over key tiles; `_bwd_dkdv_kernel`
+  then holds one key tile and accumulates dK and dV over the query tiles that see it.
+- tile sizes, warps and pipeline stages are autotuned per (head dim, dtype, causal,
+  sequence-length class) over a short list, so a first call stays within seconds.
+
+Causal with N_q != N_k is bottom-right aligned: query i sees keys j <= i + N_k - N_q.
+Rows that see no key give output 0 and logsumexp -inf.
+Inside `torch.compile` the work goes through the opaque custom ops
+``scalelab::flash_attn_fwd`` / ``scalelab::flash_attn_bwd`` (one node each, no graph break).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch import Tensor
+
+from core.errors import ConfigError
+from core.kernels._flash_common import autocast_dtype, check_inputs
+
+try:
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except ImportError:  # CPU-only installs without Triton: the error is raised at call time
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# debug: fill outputs with NaN before the kernels run, so an unwritten element shows up
+POISON_OUTPUTS = os.environ.get("SCALELAB_FLASH_POISON", "0") == "1"
+
+
+if HAVE_TRITON:
+    # the CPU interpreter (Triton 3.9) mis-multiplies bf16 tiles in tl.dot: there, dot operands
+    # are widened to fp32 first (exact for bf16/fp16 values, so the rounding matches the GPU path)
+    _UPCAST_DOT = tl.constexpr(INTERPRET)
+
+    @triton.jit
+    def _mm(a, b):
+        if _UPCAST_DOT:
+            c = tl.dot(a.to(tl.float32), b.to(tl.float32))
+        else:
+            c = tl.dot(a, b)
+        return c
+
+    @triton.jit
+    def _mma(a, b, acc):
+        if _UPCAST_DOT:
+            c = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            c = tl.dot(a, b, acc)
+        return c
+
+    @triton.jit
+    def _load_rows(ptrs, offs_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   ROW_MASK: tl.constexpr):
+        """Load a (rows, BLOCK_D) tile; rows >= n_rows and columns >= HEAD_DIM read as 0."""
+        if ROW_MASK:
+            if BLOCK_D == HEAD_DIM:
+                x = tl.load(ptrs, mask=offs_r[:, None] < n_rows, other=0.0)
+            else:
+                x = tl.load(ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        else:
+            if BLOCK_D == HEAD_DIM:
+                x = tl.load(ptrs)
+            else:
+                x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        return x
+
+    @triton.jit
+    def _store_rows(ptrs, x, offs_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+        if BLOCK_D == HEAD_DIM:
+            tl.store(ptrs, x, mask=offs_r[:, None] < n_rows)
+        else:
+            tl.store(ptrs, x, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+    # ------------------------------------------------------------------ forward
+    @triton.jit
+    def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
+                   offs_m, offs_n0, offs_d, lo, hi, n_k, causal_off, qk_scale,
+                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + offs_n0
+            k = _load_rows(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, n_k, offs_d,
+                           HEAD_DIM, BLOCK_D, MASKED)
+            s = _mm(q, tl.trans(k)) * qk_scale                     # (BLOCK_M, BLOCK_N), base 2
+            if MASKED:
+                valid = offs_n[None, :] < n_k
+                if IS_CAUSAL:
+                    valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
+                s = tl.where(valid, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            else:
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_use = m_new
+            p = tl.math.exp2(s - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _load_rows(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, n_k, offs_d,
+                           HEAD_DIM, BLOCK_D, MASKED)
+            acc = _mma(p.to(v.dtype), v, acc * alpha[:, None])
+            m_i = m_new
+        return acc, m_i, l_i
+
+    @triton.jit
+    def _fwd_kernel(Q, K, V, O, LSE,
+                    stride_qz, stride_qh, stride_qm,
+                    stride_kz, stride_kh, stride_kn,
+                    stride_vz, stride_vh, stride_vn,
+                    stride_oz, stride_oh, stride_om,
+                    n_heads, n_q, n_k, causal_off, qk_scale, SEQ_CLASS,
+                    IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        pid_zh = tl.program_id(0)
+        # heavy-first: the last query tiles (most keys under a causal mask) are launched first
+        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+        off_z = (pid_zh // n_heads).to(tl.int64)
+        off_h = (pid_zh % n_heads).to(tl.int64)
+        q_base = Q + off_z * stride_qz + off_h * stride_qh
+        k_base = K + off_z * stride_kz + off_h * stride_kh
+        v_base = V + off_z * stride_vz + off_h * stride_vh
+        o_base = O + off_z * stride_oz + off_h * stride_oh
+
+        start_m = pid_m * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_n0 = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        q = _load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, n_q, offs_d,
+                       HEAD_DIM, BLOCK_D, True)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+        n_full = (n_k // BLOCK_N) * BLOCK_N  # key tiles with no ragged end
+        if IS_CAUSAL:
+            # keys visible to the first row of the tile: j <= start_m + causal_off
+            full_hi = (tl.maximum(start_m + causal_off + 1, 0) // BLOCK_N) * BLOCK_N
+            full_hi = tl.minimum(full_hi, n_full)
+            hi = tl.minimum(tl.maximum(start_m + BLOCK_M + causal_off, 0), n_k)
+        else:
+            full_hi = n_full
+            hi = n_k
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
+                                   offs_m, offs_n0, offs_d, 0, full_hi, n_k, causal_off, qk_scale,
+                                   False, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
+                                   offs_m, offs_n0, offs_d, full_hi, hi, n_k, causal_off, qk_scale,
+                                   True, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D)
+
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        _store_rows(o_base + offs_m[:, None] * stride_om + offs_d[None, :], out.to(O.dtype.element_ty),
+                    offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
+        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # natural log; -inf where nothing seen
+        tl.store(LSE + pid_zh.to(tl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
+
+    # ----------------------------------------------------------------- backward
+    @triton.jit
+    def _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
+                      offs_m, offs_n0, offs_d, lo, hi, n_k, causal_off, qk_scale,
+                      MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + offs_n0
+            k = _load_rows(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, n_k, offs_d,
+                           HEAD_DIM, BLOCK_D, MASKED)
+            v = _load_rows(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, n_k, offs_d,
+                           HEAD_DIM, BLOCK_D, MASKED)
+            s = _mm(q, tl.trans(k)) * qk_scale
+            if MASKED:
+                valid = offs_n[None, :] < n_k
+                if IS_CAUSAL:
+                    valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
+                s = tl.where(valid, s, float("-inf"))
+            p = tl.math.exp2(s - lse2[:, None])
+            dp = _mm(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dq = _mma(ds.to(k.dtype), k, dq)
+        return dq
+
+    @triton.jit
+    def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA,
+                       stride_qz, stride_qh, stride_qm,
+                       stride_kz, stride_kh, stride_kn,
+                       stride_vz, stride_vh, stride_vn,
+                       stride_oz, stride_oh, stride_om,
+                       stride_doz, stride_doh, stride_dom,
+                       stride_dqz, stride_dqh, stride_dqm,
+                       n_heads, n_q, n_k, causal_off, qk_scale, sm_scale, SEQ_CLASS,
+                       IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        pid_zh = tl.program_id(0)
+        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+        off_z = (pid_zh // n_heads).to(tl.int64)
+        off_h = (pid_zh % n_heads).to(tl.int64)
+        k_base = K + off_z * stride_kz + off_h * stride_kh
+        v_base = V + off_z * stride_vz + off_h * stride_vh
+
+        start_m = pid_m * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_n0 = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        q = _load_rows(Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+                       offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+        do = _load_rows(DO + off_z * stride_doz + off_h * stride_doh + offs_m[:, None] * stride_dom
+                        + offs_d[None, :], offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+        o = _load_rows(O + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+                       offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)          # D_i = rowsum(dO * O)
+        row = pid_zh.to(tl.int64) * n_q + offs_m
+        tl.store(DELTA + row, delta, mask=offs_m < n_q)
+        lse = tl.load(LSE + row, mask=offs_m < n_q, other=float("inf"))
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        n_full = (n_k // BLOCK_N) * BLOCK_N
+        if IS_CAUSAL:
+            full_hi = (tl.maximum(start_m + causal_off + 1, 0) // BLOCK_N) * BLOCK_N
+            full_hi = tl.minimum(full_hi, n_full)
+            hi = tl.minimum(tl.maximum(start_m + BLOCK_M + causal_off, 0), n_k)
+        else:
+            full_hi = n_full
+            hi = n_k
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
+                           offs_m, offs_n0, offs_d, 0, full_hi, n_k, causal_off, qk_scale,
+                           False, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D)
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
+                           offs_m, offs_n0, offs_d, full_hi, hi, n_k, causal_off, qk_scale,
+                           True, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D)
+        dq = dq * sm_scale
+        _store_rows(DQ + off_z * stride_dqz + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
+                    dq.to(DQ.dtype.element_ty), offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
+
+    @triton.jit
+    def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
+                        offs_n, offs_m0, offs_d, lo, hi, n_q, causal_off, qk_scale,
+                        MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + offs_m0
+            q = _load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, n_q, offs_d,
+                           HEAD_DIM, BLOCK_D, MASKED)
+            do = _load_rows(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, n_q, offs_d,
+                            HEAD_DIM, BLOCK_D, MASKED)
+            if MASKED:
+                lse2 = tl.load(lse_base + offs_m, mask=offs_m < n_q, other=float("inf"))
+                delta = tl.load(delta_base + offs_m, mask=offs_m < n_q, other=0.0)
+            else:
+                lse2 = tl.load(lse_base + offs_m)
+                delta = tl.load(delta_base + offs_m)
+            lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2) * 1.4426950408889634
+            s_t = _mm(k, tl.trans(q)) * qk_scale                   # (BLOCK_N, BLOCK_M) = S^T
+            if MASKED:
+                valid = offs_m[None, :] < n_q
+                if IS_CAUSAL:
+                    valid = valid & (offs_n[:, None] <= offs_m[None, :] + causal_off)
+                s_t = tl.where(valid, s_t, float("-inf"))
+            p_t = tl.math.exp2(s_t - lse2[None, :])
+            dv = _mma(p_t.to(do.dtype), do, dv)
+            dp_t = _mm(v, tl.trans(do))
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = _mma(ds_t.to(q.dtype), q, dk)
+        return dk, dv
+
+    @triton.jit
+    def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
+                         stride_qz, stride_qh, stride_qm,
+                         stride_kz, stride_kh, stride_kn,
+                         stride_vz, stride_vh, stride_vn,
+                         stride_doz, stride_doh, stride_dom,
+                         stride_dkz, stride_dkh, stride_dkn,
+                         stride_dvz, stride_dvh, stride_dvn,
+                         n_heads, n_q, n_k, causal_off, qk_scale, sm_scale, SEQ_CLASS,
+                         IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        pid_zh = tl.program_id(0)
+        pid_n = tl.program_id(1)  # causal: early key tiles are seen by the most queries: first
+        off_z = (pid_zh // n_heads).to(tl.int64)
+        off_h = (pid_zh % n_heads).to(tl.int64)
+        q_base = Q + off_z * stride_qz + off_h * stride_qh
+        do_base = DO + off_z * stride_doz + off_h * stride_doh
+        lse_base = LSE + pid_zh.to(tl.int64) * n_q
+        delta_base = DELTA + pid_zh.to(tl.int64) * n_q
+
+        start_n = pid_n * BLOCK_N
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_m0 = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        k = _load_rows(K + off_z * stride_kz + off_h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
+                       offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
+        v = _load_rows(V + off_z * stride_vz + off_h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
+                       offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+        m_full = (n_q // BLOCK_M) * BLOCK_M  # query tiles with no ragged end
+        m_pad = tl.cdiv(n_q, BLOCK_M) * BLOCK_M
+        if IS_CAUSAL:
+            # first query that sees key start_n is start_n - causal_off
+            lo = (tl.maximum(start_n - causal_off, 0) // BLOCK_M) * BLOCK_M
+            # from full_lo on, every query of a tile sees every key of this tile
+            full_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - causal_off, 0), BLOCK_M) * BLOCK_M
+            full_lo = tl.minimum(full_lo, m_pad)
+        else:
+            lo = 0
+            full_lo = 0
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
+                                 offs_n, offs_m0, offs_d, lo, full_lo, n_q, causal_off, qk_scale,
+                                 True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
+                                 offs_n, offs_m0, offs_d, full_lo, m_full, n_q, causal_off, qk_scale,
+                                 False, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
+                                 offs_n, offs_m0, offs_d, tl.maximum(full_lo, m_full), m_pad, n_q, causal_off,
+                                 qk_scale, True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D)
+        dk = dk * sm_scale
+        _store_rows(DK + off_z * stride_dkz + off_h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
+                    dk.to(DK.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
+        _store_rows(DV + off_z * stride_dvz + off_h * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
+                    dv.to(DV.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
+
+    # --------------------------------------------------------------- autotuning
+    def _cfg(bm, bn, warps, stages):
+        return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+
+    # short lists: a new (head dim, dtype, causal, seq class) key costs one compile per config
+    _FWD_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 4, 3), _cfg(64, 64, 4, 3)]
+    _DQ_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2)]
+    _DKDV_CONFIGS = [_cfg(64, 128, 8, 3), _cfg(32, 128, 8, 2), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 2)]
+
+    def _prune(configs, named_args, **kwargs):
+        """Drop tiles that cannot fit (fp32 / d=128 at large tiles) or that dwarf the sequence."""
+        d = named_args["BLOCK_D"] if "BLOCK_D" in named_args else kwargs.get("BLOCK_D", 64)
+        fp32 = named_args["Q"].dtype == torch.float32
+        n_min = min(named_args["n_q"], named_args["n_k"])
+        kept = []
+        for c in configs:
+            bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+            if (fp32 or d >= 128) and bm * bn > 128 * 64:
+                continue
+            if fp32 and d >= 128 and c.num_stages > 2:
+                continue
+            if n_min <= 256 and bm * bn > 64 * 64:
+                continue
+            kept.append(c)
+        return kept or configs[-1:]
+
+    if os.environ.get("SCALELAB_FLASH_WIDE_TUNE", "0") == "1":  # exploration only: many more compiles
+        _FWD_CONFIGS += [_cfg(128, 128, 8, 4), _cfg(128, 32, 4, 4), _cfg(128, 128, 8, 2), _cfg(128, 64, 4, 4)]
+        _DQ_CONFIGS += [_cfg(128, 128, 8, 2), _cfg(128, 64, 4, 3), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 4),
+                        _cfg(128, 64, 8, 4)]
+        _DKDV_CONFIGS += [_cfg(32, 128, 4, 3), _cfg(64, 128, 4, 3), _cfg(128, 128, 8, 2), _cfg(64, 64, 8, 3),
+                          _cfg(32, 128, 8, 3), _cfg(64, 128, 8, 4)]
+
+    def _tune_bench(fn, quantiles=None):
+        """Short timings for the autotuner: a first call over all configs stays within seconds."""
+        return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+    def _autotune(configs, kernel):
+        kw = dict(key=["SEQ_CLASS", "IS_CAUSAL", "HEAD_DIM", "BLOCK_D"],
+                  prune_configs_by={"early_config_prune": _prune})
+        try:
+            return triton.autotune(configs, do_bench=_tune_bench, **kw)(kernel)
+        except TypeError:  # a Triton without the do_bench argument
+            return triton.autotune(configs, warmup=5, rep=25, **kw)(kernel)
+
+    _fwd_tuned = _autotune(_FWD_CONFIGS, _fwd_kernel)
+    _dq_tuned = _autotune(_DQ_CONFIGS, _bwd_dq_kernel)
+    _dkdv_tuned = _autotune(_DKDV_CONFIGS, _bwd_dkdv_kernel)
+
+
+def tuned_configs() -> dict[tuple, tuple[int, int, int, int]]:
+    """The autotuner's choices so far: (kernel, seq class, causal, d, dtype) -> (BM, BN, warps, stages)."""
+    return dict(_CHOSEN)
+
+
+# Fixed tiles under TRITON_INTERPRET=1 (the CPU interpreter: autotuning would only cost time);
+# pin_configs() fixes them on the GPU for experiments (the benchmark's flash_triton@... variants).
+_INTERPRET_TILES = {"fwd": (32, 16), "dq": (32, 16), "dkdv": (16, 32)}
+_PINNED: dict[str, tuple[int, int, int, int]] = {}
+
+
+def pin_configs(fwd=None, dq=None, dkdv=None) -> None:
+    """Bypass autotuning with fixed (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel (benchmarks)."""
+    _PINNED.clear()
+    for name, c in (("fwd", fwd), ("dq", dq), ("dkdv", dkdv)):
+        if c is not None:
+            _PINNED[name] = tuple(c)
+
+
+def _seq_class(n: int) -> int:
+    """Autotuning bucket for a sequence length: <=256, <=1024, <=4096, longer."""
+    return 0 if n <= 256 else 1 if n <= 1024 else 2 if n <= 4096 else 3
+
+
+_CHOSEN: dict[tuple, tuple[int, int, int, int]] = {}  # autotuner's pick per key, launched directly
+
+
+def _launch(name: str, tuned, raw, n_rows: int, args: tuple, consts: dict) -> None:
+    """Launch with pinned tiles, the interpreter's tiles, or the autotuner's choice for this key.
+
+    After the first call for a key the raw kernel is launched with the chosen config: that skips
+    the autotuner's per-call bookkeeping, which matters at short sequences (launch-bound).
+    """
+    zh = consts.pop("_zh")
+    if name in _PINNED:
+        cfg = _PINNED[name]
+    elif INTERPRET:
+        cfg = (*_INTERPRET_TILES[name], 4, 1)
+    else:
+        key = (name, args[-1], consts["IS_CAUSAL"], consts["HEAD_DIM"], args[0].dtype)
+        cfg = _CHOSEN.get(key)
+        if cfg is None:
+            def grid(meta):
+                return (zh, triton.cdiv(n_rows, meta["BLOCK_M"] if name != "dkdv" else meta["BLOCK_N"]))
+            tuned[grid](*args, **consts)
+            best = tuned.best_config
+            _CHOSEN[key] = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
+            return
+    bm, bn, warps, stages = cfg
+    grid = (zh, triton.cdiv(n_rows, bm if name != "dkdv" else bn))
+    raw[grid](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+
+
+def _to_4d(x: Tensor) -> Tensor:
+    """View (..., N, d) as (Z, H, N, d), copying only if the leading dims cannot be merged."""
+    if x.dim() == 2:
+        x = x[None, None]
+    elif x.dim() == 3:
+        x = x[None]
+    elif x.dim() > 4:
+        x = x.reshape(-1, *x.shape[-3:])
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x
+
+
+def _check_runtime(q: Tensor) -> None:
+    if not HAVE_TRITON:
+        raise ConfigError("attention_impl.kernel", "Triton is not installed",
+                          "pip install triton, or use attention_impl=flash_torch")
+    if q.device.type != "cuda" and not INTERPRET:
+        raise ConfigError("attention_impl.kernel", f"flash_triton got {q.device.type} tensors and Triton "
+                          "runs on CUDA only", "move the model to a GPU, set TRITON_INTERPRET=1 before "
+                          "importing triton (slow), or use attention_impl=flash_torch")
+
+
+def _alloc_like(x: Tensor, dtype=None) -> Tensor:
+    if POISON_OUTPUTS:
+        return torch.full_like(x, float("nan"), dtype=dtype)
+    return torch.empty_like(x, dtype=dtype)
+
+
+def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
+    """Forward on 4-D (Z, H, N, d) inputs with unit last stride: (out like q, lse (Z, H, N_q) fp32)."""
+    _check_runtime(q)
+    z, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    o = _alloc_like(q)
+    lse = torch.full((z, h, n_q), float("nan"), device=q.device, dtype=torch.float32) if POISON_OUTPUTS \
+        else torch.empty((z, h, n_q), device=q.device, dtype=torch.float32)
+    block_d = max(16, triton.next_power_of_2(d))
+    args = (q, k, v, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+            h, n_q, n_k, n_k - n_q if is_causal else 0, LOG2E / math.sqrt(d), _seq_class(max(n_q, n_k)))
+    consts = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=d, BLOCK_D=block_d, _zh=z * h)
+    _launch("fwd", _fwd_tuned if not INTERPRET else None, _fwd_kernel, n_q, args, consts)
+    return o, lse
+
+
+def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                   is_causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward on 4-D inputs: dq, dk, dv shaped and strided like q, k, v."""
+    _check_runtime(q)
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    z, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    dq, dk, dv = _alloc_like(q), _alloc_like(k), _alloc_like(v)
+    delta = torch.empty((z, h, n_q), device=q.device, dtype=torch.float32)
+    block_d = max(16, triton.next_power_of_2(d))
+    causal_off = n_k - n_q if is_causal else 0
+    sm_scale = 1.0 / math.sqrt(d)
+    seq_class = _seq_class(max(n_q, n_k))
+    dq_args = (q, k, v, o, do, dq, lse, delta,
+               q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+               do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
+               h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
+    consts = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=d, BLOCK_D=block_d, _zh=z * h)
+    _launch("dq", _dq_tuned if not INTERPRET else None, _bwd_dq_kernel, n_q, dq_args, dict(consts))
+    dkdv_args = (q, k, v, do, dk, dv, lse, delta,
+                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                 v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+                 dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+                 h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
+    _launch("dkdv", _dkdv_tuned if not INTERPRET else None, _bwd_dkdv_kernel, n_k, dkdv_args, dict(consts))
+    return dq, dk, dv
+
+
+# ------------------------------------------------------- torch.library registration
+@torch.library.custom_op("scalelab::flash_attn_fwd", mutates_args=())
+def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
+    """FlashAttention forward as one opaque op: (out, logsumexp) for 4-D (Z, H, N, d) inputs."""
+    return flash_fwd_impl(q, k, v, is_causal)
+
+
+@flash_attn_fwd.register_fake
+def _(q, k, v, is_causal):
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("scalelab::flash_attn_bwd", mutates_args=())
+def flash_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                   is_causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """FlashAttention backward as one opaque op: (dq, dk, dv)."""
+    return flash_bwd_impl(do, q, k, v, o, lse, is_causal)
+
+
+@flash_attn_bwd.register_fake
+def _(do, q, k, v, o, lse, is_causal):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _op_setup_context(ctx, inputs, output):
+    q, k, v, is_causal = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.is_causal = is_causal
+
+
+def _op_backward(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, ctx.is_causal)
+    return dq, dk, dv, None
+
+
+flash_attn_fwd.register_autograd(_op_backward, setup_context=_op_setup_context)
+
+
+def _compiling() -> bool:
+    try:
+        return torch.compiler.is_compiling()
+    except AttributeError:  # older torch
+        return False
+
+
+class FlashAttentionTriton(torch.autograd.Function):
+    """FlashAttention-2 in Triton: ``FlashAttentionTriton.apply(q, k, v, is_causal=False)``.
+
+    q (..., N_q, d), k and v (..., N_k, d), same leading dims; fp32 (tf32 dots), fp16, bf16;
+    d in 16, 32, 64, 96, 128. Saves q, k, v, out and one logsumexp (..., N_q) for backward.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> Tensor:
+        check_inputs(q, k, v, "flash_triton")
+        in_dtypes = (q.dtype, k.dtype, v.dtype)
+        cast = autocast_dtype(q.device.type)
+        if cast is not None and cast != q.dtype:
+            q, k, v = q.to(cast), k.to(cast), v.to(cast)
+        q4, k4, v4 = _to_4d(q), _to_4d(k), _to_4d(v)
+        if _compiling():
+            o4, lse4 = torch.ops.scalelab.flash_attn_fwd(q4, k4, v4, bool(is_causal))
+        else:
+            o4, lse4 = flash_fwd_impl(q4, k4, v4, bool(is_causal))
+        out, lse = o4.reshape(q.shape), lse4.reshape(q.shape[:-1])  # views back to (..., N, d)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.is_causal = bool(is_causal)
+        ctx.in_dtypes = in_dtypes
+        return out
+
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        q4, k4, v4, o4 = _to_4d(q), _to_4d(k), _to_4d(v), _to_4d(out)
+        lse4 = lse.reshape(o4.shape[:-1])
+        do4 = _to_4d(do.to(q.dtype))
+        if _compiling():
+            dq, dk, dv = torch.ops.scalelab.flash_attn_bwd(do4, q4, k4, v4, o4, lse4, ctx.is_causal)
+        else:
+            dq, dk, dv = flash_bwd_impl(do4, q4, k4, v4, o4, lse4, ctx.is_causal)
+        tq, tk, tv = ctx.in_dtypes
+        return dq.reshape(q.shape).to(tq), dk.reshape(k.shape).to(tk), dv.reshape(v.shape).to(tv), None
+
+
+def flash_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> tuple[Tensor, Tensor]:
+    """(out, logsumexp) without autograd, for tests and diagnostics."""
+    check_inputs(q, k, v, "flash_triton")
+    lead = q.shape[:-2]
+    o4, lse4 = flash_fwd_impl(_to_4d(q), _to_4d(k), _to_4d(v), bool(is_causal))
+    return o4.reshape(*lead, *o4.shape[-2:]), lse4.reshape(*lead, lse4.shape[-1])

@@ -1,0 +1,352 @@
+"""Attention benchmark: the CS336 section-4 table, and the CS336 leaderboard shape.
+
+Standalone (torch, triton, numpy only; no hydra), one command per table:
+
+    python3 experiments/attention_bench.py --preset leaderboard --out leaderboard.md
+    python3 experiments/attention_bench.py --preset sweep --out sweep.md
+    python3 experiments/attention_bench.py --preset quick            # a few shapes, seconds
+
+Every implementation is timed in the same process, side by side, with
+`triton.testing.do_bench` (median, L2 flushed between calls): naive PyTorch, the same
+under `torch.compile`, SDPA pinned to its flash and cuDNN backends, `flash_torch`
+(small sizes only) and `flash_triton`. Causal throughout. FLOPs counted as
+forward = 4 * B * H * S^2 * D / 2 (causal), backward = 2.5x, forward+backward = 3.5x;
+the fraction of the matmul ceiling uses a large matmul measured in the same run (fp32
+rows: TF32, which every fp32 implementation here is allowed to use). Out-of-memory is
+reported as OOM and the sweep continues. Peak memory is the extra memory one
+forward+backward allocates beyond its inputs.
+
+Pin Triton tiles for a variant with an impl name like
+``flash_triton@fwd=128x64x8x3,dq=128x64x8x3,dkdv=64x128x8x3`` (BLOCK_M x BLOCK_N x warps x stages).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+ALL_IMPLS = ("naive", "compiled", "sdpa_flash", "sdpa_cudnn", "flash_torch", "flash_triton")
+FLASH_TORCH_MAX_SEQ = 1024
+MODES = ("fwd", "bwd", "fwd_bwd")
+
+
+def naive_attention(q, k, v, is_causal=True):
+    """softmax(q k^T / sqrt(d)) v with the full score matrix (same as core.attention.naive_attention)."""
+    s = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+    if is_causal:
+        t_q, t_k = q.shape[-2], k.shape[-2]
+        mask = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(diagonal=t_k - t_q)
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s.float(), dim=-1).to(q.dtype), v)
+
+
+_compiled = None
+
+
+def make_impl(name: str):
+    """Map an impl name to fn(q, k, v) -> out, or raise NotImplementedError if it cannot run."""
+    global _compiled
+    base, _, spec = name.partition("@")
+    if base == "naive":
+        return lambda q, k, v: naive_attention(q, k, v, True)
+    if base == "compiled":
+        if _compiled is None:
+            # the bwd timing replays one graph (retain_graph=True): no donated buffers
+            import torch._functorch.config as functorch_config
+            functorch_config.donated_buffer = False
+            _compiled = torch.compile(naive_attention, dynamic=True)
+        return lambda q, k, v: _compiled(q, k, v, True)
+    if base in ("sdpa_flash", "sdpa_cudnn"):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = SDPBackend.FLASH_ATTENTION if base == "sdpa_flash" else SDPBackend.CUDNN_ATTENTION
+
+        def sdpa(q, k, v):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return sdpa
+    if base == "flash_torch":
+        from core.kernels.flash_torch import FlashAttentionTorch
+        return lambda q, k, v: FlashAttentionTorch.apply(q, k, v, True)
+    if base == "flash_triton":
+        from core.kernels import flash_triton as ft
+        pins = {}
+        for part in filter(None, spec.split(",")):
+            kname, _, cfg = part.partition("=")
+            pins[kname] = tuple(int(x) for x in cfg.split("x"))
+
+        def fa(q, k, v):
+            ft.pin_configs(**pins)
+            return ft.FlashAttentionTriton.apply(q, k, v, True)
+        return fa
+    raise ValueError(f"unknown impl {name!r}: use one of {', '.join(ALL_IMPLS)} (flash_triton@... for pinned tiles)")
+
+
+def attn_flops(b: int, h: int, s: int, d: int, mode: str) -> float:
+    fwd = 4 * b * h * s * s * d / 2  # causal: half the score matrix
+    return fwd * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
+
+
+def matmul_ceiling(dtype: torch.dtype, warmup: int, rep: int) -> float:
+    """TFLOP/s of a large random matmul in `dtype` (fp32 runs as TF32, as in the attention rows)."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    ms = do_bench(lambda: a @ b, warmup=warmup, rep=rep, return_mode="median")
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def _measure(fn, res: dict, b, h, s, d, dtype, warmup, rep) -> None:
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    do = torch.randn(b, h, s, d, device="cuda", dtype=dtype)
+    fn(q, k, v).backward(do)  # compile / autotune outside the timings
+    q.grad = k.grad = v.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn(q, k, v).backward(do)
+    torch.cuda.synchronize()
+    res["mem_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    q.grad = k.grad = v.grad = None
+    with torch.no_grad():
+        res["fwd"] = do_bench(lambda: fn(q, k, v), warmup=warmup, rep=rep, return_mode="median")
+    out = fn(q, k, v)
+    res["bwd"] = do_bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
+                          warmup=warmup, rep=rep, return_mode="median")
+    res["fwd_bwd"] = do_bench(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do),
+                              warmup=warmup, rep=rep, return_mode="median")
+
+
+def bench_one(impl: str, fn, b, h, s, d, dtype, warmup, rep) -> dict:
+    """Times (ms) for fwd, bwd, fwd_bwd and the peak extra memory (MiB) of one fwd+bwd."""
+    res: dict = {}
+    try:
+        _measure(fn, res, b, h, s, d, dtype, warmup, rep)
+    except torch.cuda.OutOfMemoryError:
+        res["oom"] = True
+    except (RuntimeError, NotImplementedError, ValueError) as e:  # e.g. a backend that refuses the shape
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "out of memory" in msg.lower():
+            res["oom"] = True
+        else:
+            res["error"] = msg[:80]
+    finally:
+        torch.cuda.empty_cache()  # the inputs died with _measure's frame
+    return res
+
+
+CHECK_CASES = [  # (B, H, N_q, N_k, D), dtype, pinned tiles or None (autotuned)
+    ((2, 3, 257, 257, 64), torch.bfloat16, None),
+    ((1, 2, 200, 333, 128), torch.bfloat16, None),
+    ((1, 2, 333, 200, 32), torch.float16, None),
+    ((2, 2, 129, 129, 16), torch.float32, None),
+    ((1, 1, 190, 190, 96), torch.bfloat16, None),
+    ((1, 2, 300, 300, 64), torch.bfloat16, dict(fwd=(64, 32, 4, 2), dq=(64, 32, 4, 2), dkdv=(32, 64, 4, 2))),
+]
+
+
+def check_correctness(cases=CHECK_CASES) -> list[str]:
+    """flash_triton against a float64 reference on the GPU (out, lse, dq, dk, dv); poisoned outputs."""
+    from core.kernels import flash_triton as ft
+    from core.kernels._flash_common import reference_attention
+    ft.POISON_OUTPUTS = True
+    lines = ["| shape (B,H,Nq,Nk,D) | dtype | causal | out | lse | dq | dk | dv |", "|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    worst = 0.0
+    for (b, h, nq, nk, d), dtype, pins in cases:
+        ft.pin_configs(**(pins or {}))
+        for _ in (0,):
+            for causal in (True, False):
+                # non-contiguous q (B, T, H, D) transposed, as the model passes it
+                q = torch.randn(b, nq, h, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+                k = torch.randn(b, h, nk, d, device="cuda", dtype=dtype, requires_grad=True)
+                v = torch.randn(b, h, nk, d, device="cuda", dtype=dtype, requires_grad=True)
+                o = ft.FlashAttentionTriton.apply(q, k, v, causal)
+                do = torch.randn_like(o)
+                o.backward(do)
+                _, lse = ft.flash_attention_with_lse(q.detach(), k.detach(), v.detach(), causal)
+                qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
+                ro, rl = reference_attention(qr, kr, vr, causal)
+                ro.backward(do.double())
+
+                def rel(a, r):
+                    if torch.isnan(a).any():
+                        return float("nan")
+                    return ((a.double() - r).norm() / r.norm().clamp_min(1e-12)).item()
+                fin = torch.isfinite(rl)
+                errs = [rel(o, ro), (lse.double()[fin] - rl[fin]).abs().max().item(),
+                        rel(q.grad, qr.grad), rel(k.grad, kr.grad), rel(v.grad, vr.grad)]
+                worst = max([worst] + [e if e == e else float("inf") for e in errs])
+                lines.append(f"| {b},{h},{nq},{nk},{d}{' pinned' if pins else ''} | {str(dtype)[6:]} | {causal} | "
+                             + " | ".join(f"{e:.1e}" for e in errs) + " |")
+                print(lines[-1], flush=True)
+    ft.POISON_OUTPUTS = False
+    ft.pin_configs()
+    lines.append(f"\nworst relative error: {worst:.2e} ({'PASS' if worst < 2e-2 else 'FAIL'})")
+    return lines
+
+
+def fmt_ms(r: dict, mode: str) -> str:
+    if r.get("oom"):
+        return "OOM"
+    if "error" in r:
+        return "n/a" if "fp32" in r["error"] else "error"
+    return f"{r[mode]:.3f}" if mode in r else "-"
+
+
+def run_table(configs, impls, warmup, rep, ceilings, out_lines, label):
+    """configs: list of (b, h, s, d, dtype). Returns results[(cfg, impl)] = dict."""
+    results = {}
+    hdr = ("| dtype | B,H | S | D | impl | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s (% ceil) "
+           "| fwd+bwd TFLOP/s (% ceil) | peak extra MiB |")
+    out_lines += [f"\n### {label}\n", hdr, "|" + "---|" * 11]
+    print("\n".join(out_lines[-3:]), flush=True)
+    for (b, h, s, d, dtype) in configs:
+        ceil = ceilings[dtype]
+        for impl in impls:
+            base = impl.partition("@")[0]
+            if base == "flash_torch" and s > FLASH_TORCH_MAX_SEQ:
+                continue
+            if base.startswith("sdpa") and dtype == torch.float32:
+                r = {"error": "backend has no fp32"}
+            else:
+                r = bench_one(impl, make_impl(impl), b, h, s, d, dtype, warmup, rep)
+            results[(b, h, s, d, dtype, impl)] = r
+
+            def tf(mode):
+                if mode not in r:
+                    return "-"
+                t = attn_flops(b, h, s, d, mode) / (r[mode] * 1e-3) / 1e12
+                return f"{t:.0f} ({100 * t / ceil:.0f}%)"
+            mem = f"{r['mem_mib']:.0f}" if "mem_mib" in r and not r.get("oom") and "error" not in r else \
+                ("OOM" if r.get("oom") else "n/a")
+            if "error" in r and "fp32" not in r["error"]:
+                print(f"  {impl} S={s} D={d}: {r['error']}", flush=True)
+            line = (f"| {str(dtype)[6:]} | {b},{h} | {s} | {d} | {impl} | {fmt_ms(r, 'fwd')} | {fmt_ms(r, 'bwd')} | "
+                    f"{fmt_ms(r, 'fwd_bwd')} | {tf('fwd')} | {tf('fwd_bwd')} | {mem} |")
+            out_lines.append(line)
+            print(line, flush=True)
+    return results
+
+
+def ratio_summary(results, impls, out_lines):
+    """flash_triton over SDPA flash / cuDNN time, per shape (bf16 only)."""
+    ours = [i for i in impls if i.startswith("flash_triton")]
+    if not ours:
+        return
+    start = len(out_lines)
+    out_lines += ["\n### ratios (time of flash_triton / time of the SDPA backend; < 1 means faster)\n",
+                  "| impl | dtype | B,H | S | D | fwd / flash | fwd+bwd / flash | fwd / cuDNN | fwd+bwd / cuDNN |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+    keys = sorted({k[:5] for k in results}, key=lambda k: (str(k[4]), k[3], k[2]))
+    for key in keys:
+        if key[4] == torch.float32:
+            continue
+        for impl in ours:
+            r = results.get((*key, impl), {})
+            cells = []
+            for other in ("sdpa_flash", "sdpa_cudnn"):
+                o = results.get((*key, other), {})
+                for mode in ("fwd", "fwd_bwd"):
+                    cells.append(f"{r[mode] / o[mode]:.2f}" if mode in r and mode in o else "-")
+            b, h, s, d, dtype = key
+            out_lines.append(f"| {impl} | {str(dtype)[6:]} | {b},{h} | {s} | {d} | {cells[0]} | {cells[1]} | "
+                             f"{cells[2]} | {cells[3]} |")
+    print("\n".join(out_lines[start:]), flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", choices=("leaderboard", "sweep", "quick"), default="quick")
+    ap.add_argument("--impls", default=",".join(ALL_IMPLS), help="comma-separated impl names")
+    ap.add_argument("--seq", default=None, help="comma-separated sequence lengths (sweep)")
+    ap.add_argument("--dims", default=None, help="comma-separated head dims (sweep)")
+    ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--warmup", type=int, default=None, help="do_bench warmup, ms")
+    ap.add_argument("--rep", type=int, default=None, help="do_bench repetitions, ms")
+    ap.add_argument("--check", action="store_true", help="first check flash_triton against float64 on the GPU")
+    ap.add_argument("--out", default=None, help="also write the markdown here")
+    args = ap.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("attention_bench: needs a CUDA GPU (run it on the device machine)", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = True   # fp32 rows: every impl may use TF32
+    torch.backends.cudnn.allow_tf32 = True
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    dtypes = [dt[x] for x in args.dtypes.split(",")]
+    impls = args.impls.split(",")
+    t0 = time.time()
+
+    out = [f"# attention benchmark ({args.preset})\n",
+           f"- device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+           f"date {datetime.date.today()}",
+           f"- command: `python3 {' '.join(sys.argv)}`"]
+    if args.check:
+        out += ["\n### correctness (flash_triton vs float64; outputs poisoned with NaN first)\n"]
+        print("\n".join(out), flush=True)
+        out += check_correctness()
+        print(out[-1], flush=True)
+
+    if args.preset == "leaderboard":
+        warmup, rep = args.warmup or 50, args.rep or 300
+        configs = [(1, 16, 16384, 64, torch.bfloat16)]
+        dtypes = [torch.bfloat16]
+    elif args.preset == "sweep":
+        warmup, rep = args.warmup or 10, args.rep or 40
+        seqs = [int(x) for x in args.seq.split(",")] if args.seq else [2**i for i in range(7, 17)]
+        dims = [int(x) for x in args.dims.split(",")] if args.dims else [16, 32, 64, 128]
+        configs = [(1, 1, s, d, t) for t in dtypes for d in dims for s in seqs]
+    else:
+        warmup, rep = args.warmup or 10, args.rep or 40
+        seqs = [int(x) for x in args.seq.split(",")] if args.seq else [1024, 4096]
+        dims = [int(x) for x in args.dims.split(",")] if args.dims else [64]
+        configs = [(1, 1, s, d, t) for t in dtypes for d in dims for s in seqs]
+
+    ceilings = {t: matmul_ceiling(t, 25, 200) for t in dtypes}
+    out += ["- matmul ceiling (8192^3, same run): "
+            + ", ".join(f"{str(t)[6:]} {c:.0f} TFLOP/s" for t, c in ceilings.items())
+            + f"; do_bench warmup={warmup} ms rep={rep} ms, median"]
+    print(out[-1], flush=True)
+    results = run_table(configs, impls, warmup, rep, ceilings, out, f"{args.preset}: causal, times in ms")
+    ratio_summary(results, impls, out)
+    if args.preset == "leaderboard" and "flash_triton" in impls:
+        out += ["\n### flash_triton kernels alone (no autograd), leaderboard shape\n"]
+        from core.kernels import flash_triton as ft
+        ft.pin_configs()
+        q, k, v, do = (torch.randn(1, 16, 16384, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        o, lse = ft.flash_fwd_impl(q, k, v, True)
+        t_f = do_bench(lambda: ft.flash_fwd_impl(q, k, v, True), warmup=warmup, rep=rep, return_mode="median")
+        t_b = do_bench(lambda: ft.flash_bwd_impl(do, q, k, v, o, lse, True), warmup=warmup, rep=rep,
+                       return_mode="median")
+        f = attn_flops(1, 16, 16384, 64, "fwd")
+        out += [f"- forward kernel {t_f:.3f} ms ({f / t_f / 1e9:.0f} TFLOP/s); backward kernels (dq pass + "
+                f"dk/dv pass) {t_b:.3f} ms ({2.5 * f / t_b / 1e9:.0f} TFLOP/s)"]
+        print(out[-1], flush=True)
+    if any(i.startswith("flash_triton") for i in impls):
+        from core.kernels.flash_triton import tuned_configs
+        out.append("\n### flash_triton autotuner choices\n")
+        for key, cfg in tuned_configs().items():
+            out.append(f"- {key[0]} seq_class={key[1]} causal={key[2]} d={key[3]} {str(key[4])[6:]}: "
+                       f"BLOCK_M={cfg[0]} BLOCK_N={cfg[1]} warps={cfg[2]} stages={cfg[3]}")
+        print("\n".join(out[-len(tuned_configs()) - 1:]), flush=True)
+    out.append(f"\n(total bench time {time.time() - t0:.0f} s)")
+    print(out[-1])
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(out) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
