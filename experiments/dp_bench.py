@@ -2,11 +2,24 @@
 
     python3 experiments/dp_bench.py --model xl --nproc 2 --out dp_bench.md        # the full run (~6-8 min, 2x H200)
     python3 experiments/dp_bench.py --model small --nproc 2 --steps 5 --warmup 2  # quick check (~2 min)
+    python3 experiments/dp_bench.py --strategies ddp_bucketed,zero1 \
+        --variant ddp_bucketed:comm_dtype=bfloat16 \
+        --variant ddp_bucketed:comm_dtype=bfloat16,env.NCCL_MAX_CTAS=8 \
+        --variant zero1:overlap_param_gather=false --env NCCL_DEBUG=WARN
+
+Variants: `--variant STRATEGY:key=value,...` adds a row running STRATEGY with those constructor options
+over its defaults (values: int, float, true/false, null, or a string); an option `env.KEY=VALUE` sets an
+environment variable for that row's worker processes only. `--env KEY=VALUE` (repeatable) applies to
+every row (single-GPU baseline included). Rows are labelled `strategy[options]`. The targets table is
+computed from the default-configuration rows and repeated for the best row of each strategy.
 
 Per-GPU batch 4 x 512 tokens, bf16 autocast, fused AdamW (as shared/reference/dist_anchors.py).
 Every configuration runs in fresh processes started through torch's elastic launch (launchers/local.py),
-warm-up steps first, then the median of `--steps` synchronised steps. Communication (comm_ms, exposed)
-is measured on a few extra steps with the strategy's timer on, so the timed steps carry no extra syncs.
+warm-up steps first, then `--steps` back-to-back steps with no host synchronisation between them (as in
+training: work a strategy leaves in flight after the optimizer step, e.g. ZeRO-1's parameter gathers,
+may overlap the next forward); ms/step is the median GPU time between consecutive step starts (CUDA
+events; wall clock on the CPU). Communication (comm_ms, exposed) is the mean over 3 extra back-to-back
+steps with the strategy's timer on, so the timed steps carry no extra syncs.
 Prints and writes (`--out`) one markdown table plus the per-rank memory accounting of CS336 6a.
 No Hydra composition: the model and strategies are built directly from core.*.
 """
@@ -63,7 +76,7 @@ def _worker(job: dict) -> dict:
     else:
         path, kw = STRATEGIES[job["strategy"]]
         mod, cls = path.rsplit(".", 1)
-        strategy = getattr(importlib.import_module(mod), cls)(**kw)
+        strategy = getattr(importlib.import_module(mod), cls)(**{**kw, **job.get("options", {})})
     strategy.validate(mesh)
 
     def mem():
@@ -109,25 +122,44 @@ def _worker(job: dict) -> dict:
         timer.enabled = False
     for i in range(job["warmup"]):
         step(record=i == 0)
-    times = []
-    for _ in range(job["steps"]):
-        sync()
-        if world > 1:
-            dist.barrier()
-        t0 = time.perf_counter()
+    sync()
+    if world > 1:
+        dist.barrier()
+    sync()
+    n = job["steps"]
+    if cuda:
+        evs = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+    stamps = []
+    t_start = time.perf_counter()
+    for i in range(n):
+        if cuda:
+            evs[i].record()
+        stamps.append(time.perf_counter())
         step()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
+    if cuda:
+        evs[n].record()
+    sync()
+    stamps.append(time.perf_counter())
+    wall_ms = (stamps[-1] - t_start) * 1e3 / n
+    if cuda:
+        times = [evs[i].elapsed_time(evs[i + 1]) for i in range(n)]
+    else:
+        times = [(stamps[i + 1] - stamps[i]) * 1e3 for i in range(n)]
     comm, exposed = [], []
     if timer is not None:
+        sync()
         timer.enabled = True
-        timer.metrics()
-        for _ in range(3):
+        timer.metrics()  # reset
+        k = 3
+        for _ in range(k):
             step()
-            m = timer.metrics()
-            comm.append(m.get("comm_ms", float("nan")))
-            exposed.append(m.get("exposed_comm_ms", float("nan")))
-    result = {"ms": statistics.median(times), "comm_ms": statistics.median(comm) if comm else 0.0,
+        m = timer.metrics()
+        comm.append(m.get("comm_ms", float("nan")) / k)
+        exposed.append(m.get("exposed_comm_ms", float("nan")) / k)
+        timer.enabled = False
+    if hasattr(strategy, "wait_for_parameters"):
+        strategy.wait_for_parameters()
+    result = {"ms": statistics.median(times), "wall_ms": wall_ms, "comm_ms": statistics.median(comm) if comm else 0.0,
               "exposed_ms": statistics.median(exposed) if exposed else 0.0, "after_init": after_init,
               "before_step": marks["before_step"], "after_step": marks["after_step"], "params": n_params,
               "breakdown": marks["breakdown"], "world": world}
@@ -142,19 +174,65 @@ def _worker(job: dict) -> dict:
     return result
 
 
-def _run(job: dict, nproc: int) -> dict:
-    from omegaconf import OmegaConf
+def _run(job: dict, nproc: int, env: dict | None = None) -> dict:
+    """One configuration in fresh processes; `env` is set for its workers only (spawned children inherit it)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from launchers import local
 
     for k, v in local.WORKER_ENV.items():
         os.environ.setdefault(k, v)
-    cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"dpbench-{time.time_ns()}",
-                       rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{local.free_port()}", max_restarts=0,
-                       monitor_interval=0.5, start_method="spawn")
-    del OmegaConf
-    return elastic_launch(cfg, _worker)(job)[0]
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update({k: str(v) for k, v in (env or {}).items()})
+    try:
+        cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"dpbench-{time.time_ns()}",
+                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{local.free_port()}", max_restarts=0,
+                           monitor_interval=0.5, start_method="spawn")
+        return elastic_launch(cfg, _worker)(job)[0]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _value(text: str):
+    low = text.strip().lower()
+    if low in ("null", "none", "~"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    key, sep, val = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), val.strip()
+
+
+def parse_variant(text: str) -> dict:
+    """`strategy:key=value,...,env.KEY=VALUE` -> {label, strategy, options, env}."""
+    name, _, rest = text.partition(":")
+    name = name.strip()
+    if name not in STRATEGIES:
+        raise argparse.ArgumentTypeError(f"unknown strategy {name!r} in --variant {text!r} (one of {', '.join(STRATEGIES)})")
+    options, env = {}, {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, val = _env_pair(item)
+        if key.startswith("env."):
+            env[key[4:]] = val
+        else:
+            options[key] = _value(val)
+    label = f"{name}[{rest.strip()}]" if rest.strip() else name
+    return {"label": label, "strategy": name, "options": options, "env": env}
 
 
 def _fmt(x, spec=".1f"):
@@ -169,30 +247,46 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--strategies", default=",".join(STRATEGIES),
+                    help="default-configuration rows to run (comma-separated; empty: variants only)")
+    ap.add_argument("--variant", action="append", default=[], type=parse_variant, metavar="STRATEGY:k=v,...",
+                    help="an extra row: STRATEGY with these options (env.KEY=VAL: env for that row); repeatable")
+    ap.add_argument("--env", action="append", default=[], type=_env_pair, metavar="KEY=VALUE",
+                    help="environment variable for every row's workers; repeatable")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu"])
     ap.add_argument("--out", default="dp_bench.md")
     a = ap.parse_args()
     base = {"model": a.model, "B": a.batch, "T": a.seq, "steps": a.steps, "warmup": max(a.warmup, 1),
             "device": a.device}
-    runs = [("single", 1)] + [(s, a.nproc) for s in a.strategies.split(",") if s]
+    common_env = dict(a.env)
+    for s in a.strategies.split(","):
+        if s and s not in STRATEGIES:
+            ap.error(f"unknown strategy {s!r}")
+    rows = [{"label": "single", "strategy": "single", "options": {}, "env": {}, "n": 1}]
+    rows += [{"label": s, "strategy": s, "options": {}, "env": {}, "n": a.nproc} for s in a.strategies.split(",") if s]
+    rows += [{**v, "n": a.nproc} for v in a.variant]
     results: dict = {}
-    for name, n in runs:
+    t_all = time.time()
+    for row in rows:
+        name, n = row["label"], row["n"]
         t0 = time.time()
         try:
-            results[name] = _run({**base, "strategy": name}, n)
+            results[name] = _run({**base, "strategy": row["strategy"], "options": row["options"]}, n,
+                                 {**common_env, **row["env"]})
             print(f"[dp_bench] {name:13s} x{n}: {results[name]['ms']:.1f} ms/step ({time.time() - t0:.0f}s)", flush=True)
         except Exception as e:  # noqa: BLE001 - one broken strategy must not hide the others
             results[name] = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"}
             print(f"[dp_bench] {name} FAILED: {results[name]['error']}", flush=True)
     tok = a.batch * a.seq
     single = results.get("single", {})
+    env_note = f", env {' '.join(f'{k}={v}' for k, v in common_env.items())}" if common_env else ""
     lines = [f"## Data-parallel benchmark: model {a.model}, per-GPU batch {a.batch} x T={a.seq}, bf16 autocast, "
-             f"fused AdamW, {a.nproc} GPUs (median of {a.steps} steps)", "",
+             f"fused AdamW, {a.nproc} GPUs (median of {a.steps} back-to-back steps{env_note})", "",
              "| strategy | GPUs | ms/step | tokens/s | scaling eff. | comm ms | exposed comm ms | "
              "peak GiB after init | before opt step | after opt step |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, n in runs:
+    for row in rows:
+        name, n = row["label"], row["n"]
         r = results[name]
         if "error" in r:
             lines.append(f"| {name} | {n} | failed: {r['error']} | | | | | | | |")
@@ -204,9 +298,9 @@ def main() -> None:
                      f"{_fmt(r['before_step'], '.2f')} | {_fmt(r['after_step'], '.2f')} |")
     lines += ["", "### Memory accounting per rank (CS336 6a), GiB", "",
               "| strategy | rank | parameters | gradients | optimizer state |", "|---|---|---|---|---|"]
-    for name, n in runs:
-        r = results[name]
-        for rank, pr in enumerate(r.get("per_rank", [])):
+    for row in rows:
+        name = row["label"]
+        for rank, pr in enumerate(results[name].get("per_rank", [])):
             b = pr["breakdown"]
             lines.append(f"| {name} | {rank} | {b['param_bytes'] / GiB:.2f} | {b['grad_bytes'] / GiB:.2f} | "
                          f"{b['optimizer_state_bytes'] / GiB:.2f} |")
@@ -218,25 +312,38 @@ def main() -> None:
         pr = results.get(name, {}).get("per_rank") or [{"breakdown": {"optimizer_state_bytes": float("nan")}}]
         return max(p["breakdown"]["optimizer_state_bytes"] for p in pr)
 
-    eff_b = (single.get("ms", float("nan")) / get("ddp_bucketed", "ms"))
-    checks = [
-        ("ddp_bucketed scaling efficiency >= 92%", eff_b, eff_b >= 0.92),
-        ("zero1 optimizer state / ddp_bucketed <= 0.55", opt_state("zero1") / opt_state("ddp_bucketed"),
-         opt_state("zero1") / opt_state("ddp_bucketed") <= 0.55),
-        ("zero1 step time / ddp_bucketed <= 1.05", get("zero1", "ms") / get("ddp_bucketed", "ms"),
-         get("zero1", "ms") / get("ddp_bucketed", "ms") <= 1.05),
-        ("fsdp step time / torch_fsdp2 <= 1.00", get("fsdp", "ms") / get("torch_fsdp2", "ms"),
-         get("fsdp", "ms") / get("torch_fsdp2", "ms") <= 1.00),
-        ("fsdp peak memory / torch_fsdp2 <= 1.00", get("fsdp", "before_step") / get("torch_fsdp2", "before_step"),
-         max(get("fsdp", "before_step"), get("fsdp", "after_step"))
-         <= max(get("torch_fsdp2", "before_step"), get("torch_fsdp2", "after_step"))),
-    ]
-    lines += ["", "### Targets", "", "| target | value | met |", "|---|---|---|"]
-    lines += [f"| {t} | {_fmt(v, '.3f')} | {'yes' if ok else 'NO'} |" for t, v, ok in checks]
+    def best(strategy):
+        """Fastest successful row of `strategy` (default or variant); the default label if none ran."""
+        cands = [r["label"] for r in rows if r["strategy"] == strategy and "ms" in results.get(r["label"], {})]
+        return min(cands, key=lambda lab: results[lab]["ms"]) if cands else strategy
+
+    def checks(ddp, zero1, fsdp, tfsdp):
+        eff_b = single.get("ms", float("nan")) / get(ddp, "ms")
+        return [
+            (f"{ddp} scaling efficiency >= 92%", eff_b, eff_b >= 0.92),
+            (f"{zero1} optimizer state / {ddp} <= 0.55", opt_state(zero1) / opt_state(ddp),
+             opt_state(zero1) / opt_state(ddp) <= 0.55),
+            (f"{zero1} step time / {ddp} <= 1.05", get(zero1, "ms") / get(ddp, "ms"),
+             get(zero1, "ms") / get(ddp, "ms") <= 1.05),
+            (f"{fsdp} step time / {tfsdp} <= 1.00", get(fsdp, "ms") / get(tfsdp, "ms"),
+             get(fsdp, "ms") / get(tfsdp, "ms") <= 1.00),
+            (f"{fsdp} peak memory / {tfsdp} <= 1.00", get(fsdp, "before_step") / get(tfsdp, "before_step"),
+             max(get(fsdp, "before_step"), get(fsdp, "after_step"))
+             <= max(get(tfsdp, "before_step"), get(tfsdp, "after_step"))),
+        ]
+
+    lines += ["", "### Targets (default configurations)", "", "| target | value | met |", "|---|---|---|"]
+    lines += [f"| {t} | {_fmt(v, '.3f')} | {'yes' if ok else 'NO'} |"
+              for t, v, ok in checks("ddp_bucketed", "zero1", "fsdp", "torch_fsdp2")]
+    if a.variant:
+        bests = (best("ddp_bucketed"), best("zero1"), best("fsdp"), best("torch_fsdp2"))
+        lines += ["", "### Targets (best row of each strategy, variants included)", "",
+                  "| target | value | met |", "|---|---|---|"]
+        lines += [f"| {t} | {_fmt(v, '.3f')} | {'yes' if ok else 'NO'} |" for t, v, ok in checks(*bests)]
     text = "\n".join(lines) + "\n"
     print(text)
     Path(a.out).write_text(text)
-    print(f"[dp_bench] written to {a.out}")
+    print(f"[dp_bench] written to {a.out} ({time.time() - t_all:.0f}s in all)")
 
 
 if __name__ == "__main__":

@@ -63,3 +63,47 @@ def _bucketed_4(rank, world):
 
 def test_ddp_bucketed_4ranks():
     run_ranks(_bucketed_4, world_size=4)
+
+
+def _bf16_comm(rank, world):
+    """comm_dtype=bfloat16: the averaged gradient is within bf16 rounding of the exact fp32 mean.
+
+    Tolerance (stated in BucketedDDP's docstring): bf16 keeps 8 significant bits, so each rank's gradient
+    is rounded with relative error <= 2^-8 and the sum rounds once more; for 2 ranks
+    |g - mean_r g_r| <= 2^-7 * mean_r |g_r| (x1.01, +1e-7 for fp32 noise) element-wise. Exercises multi-parameter buckets, single-parameter buckets (which in fp32 are
+    reduced in place) and gradient accumulation under no_sync.
+    """
+    from core.distributed.ddp import BucketedDDP
+
+    for kind, accum, kw in [("tied", 1, {"bucket_size_mb": 0.0005}), ("toy", 2, {"bucket_size_mb": 0}),
+                            ("tied", 2, {"bucket_size_mb": 1e-4, "first_bucket_size_mb": 0})]:
+        local = make_toy(kind, seed=0)
+        plain = copy.deepcopy(local)  # this rank's un-reduced gradients, for the reference
+        model = BucketedDDP(local, process_group=None, comm_dtype="bfloat16", **kw)
+        rounded = False
+        for step, (x, y) in enumerate(toy_batches(kind, steps=3, batch=8)):
+            xl, yl = x.chunk(world)[rank], y.chunk(world)[rank]
+            for i, (xm, ym) in enumerate(zip(xl.chunk(accum), yl.chunk(accum))):
+                (toy_loss(plain(xm), ym) / accum).backward()
+                ctx = model.no_sync() if i < accum - 1 else torch.enable_grad()
+                with ctx:
+                    (toy_loss(model(xm), ym) / accum).backward()
+            model.finish_gradient_synchronization()
+            for p_plain, p in zip(plain.parameters(), model.module.parameters()):
+                if not p.requires_grad:
+                    continue
+                assert p.grad.dtype == torch.float32
+                gathered = [torch.empty_like(p_plain.grad) for _ in range(world)]
+                dist.all_gather(gathered, p_plain.grad)
+                mean = torch.stack(gathered).mean(0)
+                tol = 1.01 * 2.0**-7 * torch.stack(gathered).abs().mean(0) + 1e-7
+                err = (p.grad - mean).abs()
+                assert (err <= tol).all(), (kind, accum, step, (err - tol).max())
+                rounded |= not torch.equal(p.grad, mean)
+            for p in list(plain.parameters()) + list(model.module.parameters()):
+                p.grad = None
+        assert rounded, kind  # the gradients really went through bf16
+
+
+def test_ddp_bucketed_bf16_comm_2ranks():
+    run_ranks(_bf16_comm, world_size=2)

@@ -96,10 +96,73 @@ def _training_matches_single_process(rank, world):
                 assert torch.allclose(a, b), (mode, n, (a - b).abs().max())
 
 
+def _deferred_gather_bitwise(rank, world, grad_reduction):
+    """The strategy's overlapped parameter gather (async after the step, waited in forward pre-hooks)
+    stays bitwise equal to plain AdamW over several steps, with forward/eval, state_dict and
+    full_parameters read between steps while gathers are still in flight."""
+    from core.distributed.mesh import ParallelMesh
+    from core.distributed.zero1 import Zero1Strategy
+
+    mesh = ParallelMesh(dp_shard=world, device="cpu").init()
+    ref = make_toy("toy", 0)
+    strategy = Zero1Strategy(grad_reduction=grad_reduction, bucket_size_mb=0.0005, gather_bucket_mb=0.0002)
+    assert strategy.overlap_param_gather  # the default
+    wrapped = strategy.setup(make_toy("toy", rank), mesh, lambda m: None)  # ranks differ: rank 0 broadcast
+    model = wrapped.module
+    g_ref, late_ref = _groups(ref)
+    g_mine, late_mine = _groups(model)
+    opt_ref = torch.optim.AdamW(g_ref + [{"params": late_ref, "lr": 5e-3}], lr=1e-2, betas=(0.9, 0.95))
+    opt = strategy.build_optimizer(wrapped, g_mine + [{"params": late_mine, "lr": 5e-3}],
+                                   lambda groups: torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95)))
+    p_ref = [p for g in opt_ref.param_groups for p in g["params"]]
+    p_mine = [p for g in opt.param_groups for p in g["params"]]
+    x = torch.randn(6, 10, generator=torch.Generator().manual_seed(7))
+    for step in range(6):
+        with torch.no_grad():  # forward reads parameters while gathers may be in flight: the hooks wait
+            if step == 3:
+                wrapped.eval()
+            out = wrapped(x)
+            wrapped.train()
+            assert torch.equal(out, ref(x)), ("forward", step)
+        assert not opt.has_pending_gathers  # every round holds a parameter used in forward
+        if step == 2:
+            sd = strategy.state_dict(wrapped, opt)["model"]
+            assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
+        if step == 4:
+            full = strategy.full_parameters(wrapped)
+            assert all(torch.equal(full[n], p) for n, p in ref.named_parameters())
+        if grad_reduction == "reduce_scatter":
+            per_rank = [_fake_grads(p_ref, step, r) for r in range(world)]
+            for p, g in zip(p_ref, [sum(gs[i] for gs in per_rank) / world for i in range(len(p_ref))]):
+                p.grad = g
+            for p, g in zip(p_mine, per_rank[rank]):
+                p.grad = g.clone()
+        else:
+            for a, b, g in zip(p_ref, p_mine, _fake_grads(p_ref, step, 0)):
+                a.grad, b.grad = g.clone(), g.clone()
+        strategy.finish_gradient_synchronization() if grad_reduction == "reduce_scatter" else None
+        opt_ref.step()
+        opt.step()
+        assert opt.has_pending_gathers  # launched, not waited: the next forward's hooks wait
+        opt_ref.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
+        if step in (1, 4):  # reading through the strategy waits too
+            full = strategy.full_parameters(wrapped)
+            assert all(torch.equal(full[n], p) for n, p in ref.named_parameters()), ("full", step)
+    strategy.wait_for_parameters()  # end of training
+    for a, b in zip(p_ref, p_mine):
+        assert torch.equal(a, b), (grad_reduction, (a - b).abs().max())
+    # parameters are views into the persistent gather buffers (in-place all-gather, no staging copies)
+    bufs = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in opt._flat]
+    assert len(bufs) > 1 and all(any(lo <= p.data_ptr() < hi for lo, hi in bufs) for p in p_mine)
+
+
 def _all(rank, world):
     _bitwise_against_adamw(rank, world, "all_reduce")
     _bitwise_against_adamw(rank, world, "reduce_scatter")
     _training_matches_single_process(rank, world)
+    _deferred_gather_bitwise(rank, world, "all_reduce")
+    _deferred_gather_bitwise(rank, world, "reduce_scatter")
 
 
 def test_zero1_2ranks():

@@ -14,6 +14,13 @@ Two ways to get the gradients there ("which is which"):
              reduce-scatter delivers each owner the summed gradients of its parameters (others'
              gradients are dropped), then the all-gather:  Psi + Psi = 2*Psi.  The reduce-scatter
              runs after backward (not overlapped), so it trades exposed time for volume.
+Parameter gathers (`overlap_param_gather`, default on in the strategies): parameters live as views in
+one persistent flat buffer per round (owner r's slice at r * width), so the all-gather runs in place
+(no staging copies); rounds follow the forward order recorded on the first forward and are launched
+asynchronously after the step; each is waited for by the forward pre-hook of the first module that
+uses its parameters, so the gather hides behind the next forward. `wait_for_parameters()` is the
+barrier for anything else that reads parameters (the strategy calls it from state_dict, load, eval
+goes through the hooks, full_parameters, memory accounting, and the optimizer's own next step).
 Sharding is elementwise-exact for element-wise optimizers (AdamW, SGD, ...): each parameter's
 update depends on its own gradient and state only, so results are bitwise those of the unsharded
 optimizer given the same gradients.
@@ -41,7 +48,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, optimizer_cls: Callable[..., torch.optim.Optimizer],
                  process_group: Optional[dist.ProcessGroup] = None, grad_reduction: str = "all_reduce",
-                 bucket_size_mb: float = 256.0, timer: Optional[CommTimer] = None, **kwargs: Any) -> None:
+                 bucket_size_mb: float = 256.0, timer: Optional[CommTimer] = None,
+                 overlap_param_gather: bool = False, **kwargs: Any) -> None:
         require(grad_reduction in ("all_reduce", "reduce_scatter", "none"), "parallelism.grad_reduction",
                 f"unknown {grad_reduction!r}", "use all_reduce (gradients already averaged) or reduce_scatter")
         self.optimizer_cls, self.kwargs = optimizer_cls, kwargs
@@ -55,11 +63,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._load = [0] * self.world
         self._owned: list[list[nn.Parameter]] = [[] for _ in range(self.world)]  # params per owner, in order
         self._grads_reduced = False
+        self.overlap_param_gather = overlap_param_gather
+        self._rounds = None
+        self._flat: Optional[list[torch.Tensor]] = None    # per round: world * width, parameters are views
+        self._round_of: dict[int, int] = {}                # id(param) -> round index
+        self._pending: list[tuple[int, Any]] = []          # (round, work) of parameter gathers in flight
+        self._fwd_order: list[nn.Parameter] = []           # recorded by `before_use` until the first step
+        self._fwd_seen: set[int] = set()
         super().__init__(params, defaults=dict(kwargs))
         self.state = self._local.state  # this rank's shard of the state (what memory accounting sees)
 
     # ---- parameter assignment ----
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_pending", None):
+            self.wait_for_parameters()
         super().add_param_group(param_group)
         full = self.param_groups[-1]
         mine = []
@@ -81,7 +98,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for k, v in self._local.param_groups[-1].items():  # defaults filled in by the inner optimizer
             if k != "params":
                 full.setdefault(k, v)
-        self._rounds = None  # rebuilt lazily
+        self._rounds = None  # rebuilt lazily (flat buffers too: existing values are copied over)
+        self._flat = None
 
     def owner(self, p: nn.Parameter) -> int:
         return self._owner[id(p)]
@@ -90,11 +108,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return self._owned[self.rank]
 
     # ---- communication rounds: per round each owner contributes a slice of its parameters ----
+    def _forward_index(self) -> dict[int, int]:
+        """Position of each parameter in the recorded forward order (the same on every rank, checked)."""
+        order = {id(p): i for i, p in enumerate(self._fwd_order)}
+        if self.world > 1:
+            idx = {id(p): i for i, p in enumerate(self._all_params())}
+            key = hash(tuple(idx.get(id(p), -1) for p in self._fwd_order)) & (2**62 - 1)
+            ref = self._all_params()[0]
+            t = torch.tensor([key, -key], dtype=torch.int64, device=ref.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+            if int(t[0]) != -int(t[1]):  # ranks saw different forward orders: fall back to group order
+                order = {}
+        return order
+
     def _build_rounds(self) -> list[list[list[nn.Parameter]]]:
         rounds: list[list[list[nn.Parameter]]] = []
+        fwd = self._forward_index()
         for r in range(self.world):
             chunks, cur, cur_b = [], [], 0
-            for p in self._owned[r]:
+            # forward order (parameters never seen in forward first), so round k is needed before round k+1
+            owned = sorted(self._owned[r], key=lambda p: fwd.get(id(p), -1)) if fwd else self._owned[r]
+            for p in owned:
                 b = p.numel() * p.element_size()
                 if cur and (cur_b + b > self.round_bytes or p.dtype != cur[0].dtype):
                     chunks.append(cur)
@@ -107,6 +141,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 while len(rounds) <= k:
                     rounds.append([[] for _ in range(self.world)])
                 rounds[k][r] = chunk
+        self._round_of = {id(p): k for k, rnd in enumerate(rounds) for ps in rnd for p in ps}
         return rounds
 
     def _round_layout(self, rnd: list[list[nn.Parameter]]):
@@ -149,27 +184,66 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._grads_reduced = True
 
     @torch.no_grad()
+    def _flatten(self) -> None:
+        """Move every parameter into one persistent flat buffer per round (owner r's slice at r * width):
+        the all-gather then runs in place on the parameters (no staging buffers, no copies back)."""
+        self._flat = []
+        for rnd in self._rounds:
+            ref, width = self._round_layout(rnd)
+            buf = torch.zeros(self.world * width, dtype=ref.dtype, device=ref.device)
+            for r, ps in enumerate(rnd):
+                off = r * width
+                for p in ps:
+                    view = buf[off:off + p.numel()].view_as(p)
+                    view.copy_(p)
+                    p.data = view  # same Parameter object: optimizer state, hooks and tying unaffected
+                    off += p.numel()
+            self._flat.append(buf)
+
+    @torch.no_grad()
     def _sync_parameters(self) -> None:
+        """All-gather the updated parameters, round by round, in place. With `overlap_param_gather` the
+        gathers are only launched; `wait_for_parameters` (or `before_use`, from forward pre-hooks) waits."""
         if self.world == 1:
             return
         if self._rounds is None:
             self._rounds = self._build_rounds()
-        for rnd in self._rounds:
-            ref, width = self._round_layout(rnd)
-            mine = rnd[self.rank]
-            inp = torch.zeros(width, dtype=ref.dtype, device=ref.device)
-            if mine:
-                torch.cat([p.reshape(-1) for p in mine], out=inp[:sum(p.numel() for p in mine)])
-            out = torch.empty(self.world * width, dtype=ref.dtype, device=ref.device)
-            with self.timer.blocking():
-                all_gather_flat(out, inp, group=self.process_group)
-            for r, ps in enumerate(rnd):
-                if r == self.rank:
-                    continue
-                off = r * width
-                for p in ps:
-                    p.copy_(out[off:off + p.numel()].view_as(p))
-                    off += p.numel()
+        if self._flat is None:
+            self._flatten()
+        for k, buf in enumerate(self._flat):
+            width = buf.numel() // self.world
+            mine = buf[self.rank * width:(self.rank + 1) * width]
+            if self.overlap_param_gather:
+                work = all_gather_flat(buf, mine, group=self.process_group, async_op=True)
+                self._pending.append((k, self.timer.launched(work)))
+            else:
+                with self.timer.blocking():
+                    all_gather_flat(buf, mine, group=self.process_group)
+
+    def wait_for_parameters(self, upto_round: Optional[int] = None) -> None:
+        """Block (the compute stream, on NCCL) until the parameter gathers of rounds <= `upto_round`
+        (all if None) have completed. Gathers complete in launch order, so this pops from the front."""
+        while self._pending and (upto_round is None or self._pending[0][0] <= upto_round):
+            _, work = self._pending.pop(0)
+            self.timer.wait(work)
+
+    @property
+    def has_pending_gathers(self) -> bool:
+        return bool(self._pending)
+
+    def before_use(self, params: tuple[nn.Parameter, ...]) -> None:
+        """Called before `params` are read (a module's forward pre-hook). Before the first step: records
+        the forward order (rounds follow it); afterwards: waits for the gathers holding `params`."""
+        if self._rounds is None:
+            for p in params:
+                if id(p) not in self._fwd_seen:
+                    self._fwd_seen.add(id(p))
+                    self._fwd_order.append(p)
+            return
+        if self._pending:
+            k = max((self._round_of.get(id(p), -1) for p in params), default=-1)
+            if k >= 0:
+                self.wait_for_parameters(k)
 
     # ---- the optimizer interface ----
     @torch.no_grad()
@@ -178,6 +252,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.wait_for_parameters()  # the previous step's gathers read the slices this step writes
         self.reduce_gradients()
         for full, local in zip(self.param_groups, self._local.param_groups):
             for k, v in full.items():  # hyperparameters (LR schedules) live in the full groups
@@ -193,6 +268,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard: state of owned parameters keyed by global parameter index (as str)."""
+        self.wait_for_parameters()
         index = {id(p): i for i, p in enumerate(self._all_params())}
         state = {str(index[id(p)]): s for p, s in self._local.state.items()}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
@@ -200,6 +276,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.wait_for_parameters()
         params = self._all_params()
         for g, saved in zip(self.param_groups, state_dict["param_groups"]):
             for k, v in saved.items():
@@ -225,18 +302,34 @@ class _LocalGradients(DataParallel):
 
 
 class Zero1Strategy(Strategy):
-    """`zero1` / `zero1_rs`: replicated model, optimizer state sharded by `ShardedOptimizer`."""
+    """`zero1` / `zero1_rs`: replicated model, optimizer state sharded by `ShardedOptimizer`.
+
+    overlap_param_gather  True: the parameter all-gathers after the optimizer step are launched
+                          asynchronously in forward order and each is waited for only when the first
+                          module using its parameters is about to run in the next forward (forward
+                          pre-hooks registered once), so they overlap the next forward. Everything else
+                          that reads parameters (state_dict, checkpoint load, full_parameters, memory
+                          accounting, the next optimizer step) calls `wait_for_parameters()` first;
+                          evaluation goes through the same forward hooks. Under torch.compile the wait
+                          happens at the wrapper's forward (all rounds), hooks inside compiled code are
+                          not used.
+    comm_dtype            gradient all-reduce dtype of the bucketed DDP (zero1 only; see BucketedDDP)
+    """
 
     name = "zero1"
     checkpoint_format = "dcp"  # every rank saves its own optimizer shard
 
     def __init__(self, grad_reduction: str = "all_reduce", bucket_size_mb: float = 25.0,
-                 first_bucket_size_mb: float = 1.0, gather_bucket_mb: float = 256.0) -> None:
+                 first_bucket_size_mb: float = 1.0, gather_bucket_mb: float = 128.0,
+                 overlap_param_gather: bool = True, comm_dtype: Optional[str] = None) -> None:
         require(grad_reduction in ("all_reduce", "reduce_scatter"), "parallelism.grad_reduction",
                 f"unknown {grad_reduction!r}", "use all_reduce (zero1) or reduce_scatter (zero1_rs)")
         self.grad_reduction = grad_reduction
         self.bucket_size_mb, self.first_bucket_size_mb = bucket_size_mb, first_bucket_size_mb
         self.gather_bucket_mb = gather_bucket_mb
+        self.overlap_param_gather = bool(overlap_param_gather)
+        self.comm_dtype = comm_dtype
+        self.optimizer: Optional[ShardedOptimizer] = None
         self.name = "zero1" if grad_reduction == "all_reduce" else "zero1_rs"
 
     def validate(self, mesh: ParallelMesh) -> None:
@@ -249,7 +342,7 @@ class Zero1Strategy(Strategy):
         pg = mesh.group("dp")
         if self.grad_reduction == "all_reduce":
             self.wrapped = BucketedDDP(model, pg, self.timer, bucket_size_mb=self.bucket_size_mb,
-                                       first_bucket_size_mb=self.first_bucket_size_mb)
+                                       first_bucket_size_mb=self.first_bucket_size_mb, comm_dtype=self.comm_dtype)
         else:
             self.wrapped = _LocalGradients(model, pg, self.timer)
         return self.wrapped
@@ -257,8 +350,30 @@ class Zero1Strategy(Strategy):
     def build_optimizer(self, model, param_groups, make_optimizer) -> torch.optim.Optimizer:
         self.optimizer = ShardedOptimizer(param_groups, make_optimizer, process_group=self.mesh.group("dp"),
                                           grad_reduction=self.grad_reduction, bucket_size_mb=self.gather_bucket_mb,
-                                          timer=self.timer)
+                                          timer=self.timer, overlap_param_gather=self.overlap_param_gather)
+        if self.overlap_param_gather and self.optimizer.world > 1:
+            self._install_gather_hooks(self.wrapped)
         return self.optimizer
+
+    def _install_gather_hooks(self, wrapped: nn.Module) -> None:
+        """Forward pre-hooks (registered once) that wait for a parameter gather just before its module runs."""
+        opt = self.optimizer
+        raw = unwrap(wrapped)
+        compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in raw.modules())
+        if compiled:  # hooks inside compiled code would be traced; wait for everything up front
+            wrapped.register_forward_pre_hook(lambda _m, _a: opt.wait_for_parameters())
+            return
+        for m in raw.modules():
+            own = tuple(p for p in m.parameters(recurse=False) if p.requires_grad)
+            if own:
+                m.register_forward_pre_hook(lambda _m, _a, own=own: opt.before_use(own))
+        # a parameter read outside its module's forward (none in our models) is still safe: rounds of
+        # parameters never seen in the recorded forward come first, waited by the first hook
+
+    def wait_for_parameters(self) -> None:
+        """Block until every pending parameter gather has completed (before reading parameters)."""
+        if self.optimizer is not None:
+            self.optimizer.wait_for_parameters()
 
     def gradient_sync(self, enabled: bool):
         return contextlib.nullcontext() if enabled else self.wrapped.no_sync()
@@ -285,15 +400,22 @@ class Zero1Strategy(Strategy):
         return norm
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        self.wait_for_parameters()
         init_optimizer_state(optimizer._local)  # a template before the first step needs every state tensor
         return {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        self.wait_for_parameters()
         unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
 
     def full_parameters(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        self.wait_for_parameters()
         return {n: p.detach() for n, p in unwrap(model).named_parameters()}
+
+    def memory_breakdown(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        self.wait_for_parameters()
+        return super().memory_breakdown(model, optimizer)
 
     def step_metrics(self) -> dict[str, float]:
         return self.timer.metrics()
