@@ -122,7 +122,9 @@ if HAVE_TRITON:
             m_i = m_new
         return acc, m_i, l_i
 
-    @triton.jit
+    # SEQ_CLASS is a tuning key only and n_heads only divides program ids: neither is specialized, so a
+    # new sequence class or head count (1 vs 16) reuses the compiled kernel
+    @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
     def _fwd_kernel(Q, K, V, O, LSE,
                     stride_qz, stride_qh, stride_qm,
                     stride_kz, stride_kh, stride_kn,
@@ -199,7 +201,9 @@ if HAVE_TRITON:
             dq = _mma(ds.to(k.dtype), k, dq)
         return dq
 
-    @triton.jit
+    # SEQ_CLASS is a tuning key only and n_heads only divides program ids: neither is specialized, so a
+    # new sequence class or head count (1 vs 16) reuses the compiled kernel
+    @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
     def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA,
                        stride_qz, stride_qh, stride_qm,
                        stride_kz, stride_kh, stride_kn,
@@ -283,7 +287,9 @@ if HAVE_TRITON:
             dk = _mma(ds_t.to(q.dtype), q, dk)
         return dk, dv
 
-    @triton.jit
+    # SEQ_CLASS is a tuning key only and n_heads only divides program ids: neither is specialized, so a
+    # new sequence class or head count (1 vs 16) reuses the compiled kernel
+    @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
     def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
                          stride_qz, stride_qh, stride_qm,
                          stride_kz, stride_kh, stride_kn,
@@ -345,9 +351,11 @@ if HAVE_TRITON:
         return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
 
     # short lists: a new (head dim, dtype, causal, seq class) key costs one compile per config
-    _FWD_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 4, 3), _cfg(64, 64, 4, 3)]
-    _DQ_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2)]
-    _DKDV_CONFIGS = [_cfg(64, 128, 8, 3), _cfg(32, 128, 8, 2), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 2)]
+    # (the never-chosen 128x128 fwd, 128x32 dq and 64x128 dk/dv tiles of run 2 gave way to 32-row /
+    # 32-key tiles: twice the programs when batch x heads is small and the grid does not fill the SMs)
+    _FWD_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3)]
+    _DQ_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3), _cfg(64, 32, 4, 2)]
+    _DKDV_CONFIGS = [_cfg(32, 128, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3), _cfg(32, 64, 4, 2)]
 
     def _prune(configs, named_args, **kwargs):
         """Drop tiles that cannot fit (fp32 / d=128 at large tiles) or that dwarf the sequence."""
@@ -409,47 +417,62 @@ def pin_configs(fwd=None, dq=None, dkdv=None) -> None:
             _PINNED[name] = tuple(c)
 
 
-def _seq_class(n: int) -> int:
-    """Autotuning bucket for a sequence length: <=256, <=1024, <=4096, longer."""
-    return 0 if n <= 256 else 1 if n <= 1024 else 2 if n <= 4096 else 3
+def _seq_class(n: int, zh: int = 1 << 30) -> int:
+    """Autotuning bucket: sequence length <=256, <=1024, <=4096, longer (0-3), plus 4 when the
+    grid is small (batch x heads x 64-row tiles < 264, two per H100 SM), where smaller tiles win."""
+    c = 0 if n <= 256 else 1 if n <= 1024 else 2 if n <= 4096 else 3
+    return c + 4 if zh * ((n + 63) >> 6) < 264 else c
+
+
+# Host-side helpers in plain Python: `triton.cdiv` / `triton.next_power_of_2` are
+# `constexpr_function` wrappers costing ~2.5 us per call from the host (5 calls per fwd+bwd).
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+_BLOCK_D = {16: 16, 32: 32, 64: 64, 96: 128, 128: 128}
 
 
 _CHOSEN: dict[tuple, tuple[int, int, int, int]] = {}  # autotuner's pick per key, launched directly
 
 
-def _launch(name: str, tuned, raw, n_rows: int, args: tuple, consts: dict) -> None:
+def _launch(name: str, tuned, raw, zh: int, n_rows: int, args: tuple,
+            is_causal: bool, d: int, block_d: int, seq_class: int, dtype) -> None:
     """Launch with pinned tiles, the interpreter's tiles, or the autotuner's choice for this key.
 
     After the first call for a key the raw kernel is launched with the chosen config: that skips
     the autotuner's per-call bookkeeping, which matters at short sequences (launch-bound).
     """
-    zh = consts.pop("_zh")
-    if name in _PINNED:
+    if _PINNED and name in _PINNED:
         cfg = _PINNED[name]
     elif INTERPRET:
         cfg = (*_INTERPRET_TILES[name], 4, 1)
     else:
-        key = (name, args[-1], consts["IS_CAUSAL"], consts["HEAD_DIM"], args[0].dtype)
+        key = (name, seq_class, is_causal, d, dtype)
         cfg = _CHOSEN.get(key)
         if cfg is None:
             def grid(meta):
-                return (zh, triton.cdiv(n_rows, meta["BLOCK_M"] if name != "dkdv" else meta["BLOCK_N"]))
-            tuned[grid](*args, **consts)
+                return (zh, _cdiv(n_rows, meta["BLOCK_M"] if name != "dkdv" else meta["BLOCK_N"]))
+            tuned[grid](*args, IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d)
             best = tuned.best_config
             _CHOSEN[key] = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
             return
     bm, bn, warps, stages = cfg
-    grid = (zh, triton.cdiv(n_rows, bm if name != "dkdv" else bn))
-    raw[grid](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    grid = (zh, _cdiv(n_rows, bn if name == "dkdv" else bm))
+    raw.run(*args, grid=grid, warmup=False, IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
 
 
 def _to_4d(x: Tensor) -> Tensor:
     """View (..., N, d) as (Z, H, N, d), copying only if the leading dims cannot be merged."""
-    if x.dim() == 2:
+    nd = x.dim()
+    if nd == 4:
+        pass
+    elif nd == 2:
         x = x[None, None]
-    elif x.dim() == 3:
+    elif nd == 3:
         x = x[None]
-    elif x.dim() > 4:
+    else:
         x = x.reshape(-1, *x.shape[-3:])
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -460,7 +483,7 @@ def _check_runtime(q: Tensor) -> None:
     if not HAVE_TRITON:
         raise ConfigError("attention_impl.kernel", "Triton is not installed",
                           "pip install triton, or use attention_impl=flash_torch")
-    if q.device.type != "cuda" and not INTERPRET:
+    if not INTERPRET and q.device.type != "cuda":
         raise ConfigError("attention_impl.kernel", f"flash_triton got {q.device.type} tensors and Triton "
                           "runs on CUDA only", "move the model to a GPU, set TRITON_INTERPRET=1 before "
                           "importing triton (slow), or use attention_impl=flash_torch")
@@ -480,12 +503,11 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Te
     o = _alloc_like(q)
     lse = torch.full((z, h, n_q), float("nan"), device=q.device, dtype=torch.float32) if POISON_OUTPUTS \
         else torch.empty((z, h, n_q), device=q.device, dtype=torch.float32)
-    block_d = max(16, triton.next_power_of_2(d))
-    args = (q, k, v, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-            h, n_q, n_k, n_k - n_q if is_causal else 0, LOG2E / math.sqrt(d), _seq_class(max(n_q, n_k)))
-    consts = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=d, BLOCK_D=block_d, _zh=z * h)
-    _launch("fwd", _fwd_tuned if not INTERPRET else None, _fwd_kernel, n_q, args, consts)
+    sq, sk, sv, so = q.stride(), k.stride(), v.stride(), o.stride()
+    args = (q, k, v, o, lse, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
+            h, n_q, n_k, n_k - n_q if is_causal else 0, LOG2E / math.sqrt(d), _seq_class(max(n_q, n_k), z * h))
+    _launch("fwd", _fwd_tuned if not INTERPRET else None, _fwd_kernel, z * h, n_q, args,
+            is_causal, d, _BLOCK_D[d], args[-1], q.dtype)
     return o, lse
 
 
@@ -499,23 +521,24 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     n_k = k.shape[2]
     dq, dk, dv = _alloc_like(q), _alloc_like(k), _alloc_like(v)
     delta = torch.empty((z, h, n_q), device=q.device, dtype=torch.float32)
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = _BLOCK_D[d]
     causal_off = n_k - n_q if is_causal else 0
     sm_scale = 1.0 / math.sqrt(d)
-    seq_class = _seq_class(max(n_q, n_k))
+    seq_class = _seq_class(max(n_q, n_k), z * h)
+    sq, sk, sv, so, sdo = q.stride(), k.stride(), v.stride(), o.stride(), do.stride()
+    sdq, sdk, sdv = dq.stride(), dk.stride(), dv.stride()
     dq_args = (q, k, v, o, do, dq, lse, delta,
-               q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-               do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
+               sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
+               sdo[0], sdo[1], sdo[2], sdq[0], sdq[1], sdq[2],
                h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
-    consts = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=d, BLOCK_D=block_d, _zh=z * h)
-    _launch("dq", _dq_tuned if not INTERPRET else None, _bwd_dq_kernel, n_q, dq_args, dict(consts))
+    _launch("dq", _dq_tuned if not INTERPRET else None, _bwd_dq_kernel, z * h, n_q, dq_args,
+            is_causal, d, block_d, seq_class, q.dtype)
     dkdv_args = (q, k, v, do, dk, dv, lse, delta,
-                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                 v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-                 dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+                 sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
+                 sdk[0], sdk[1], sdk[2], sdv[0], sdv[1], sdv[2],
                  h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
-    _launch("dkdv", _dkdv_tuned if not INTERPRET else None, _bwd_dkdv_kernel, n_k, dkdv_args, dict(consts))
+    _launch("dkdv", _dkdv_tuned if not INTERPRET else None, _bwd_dkdv_kernel, z * h, n_k, dkdv_args,
+            is_causal, d, block_d, seq_class, q.dtype)
     return dq, dk, dv
 
 
@@ -576,33 +599,45 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> Tensor:
         check_inputs(q, k, v, "flash_triton")
+        is_causal = bool(is_causal)
         in_dtypes = (q.dtype, k.dtype, v.dtype)
         cast = autocast_dtype(q.device.type)
         if cast is not None and cast != q.dtype:
             q, k, v = q.to(cast), k.to(cast), v.to(cast)
         q4, k4, v4 = _to_4d(q), _to_4d(k), _to_4d(v)
         if _compiling():
-            o4, lse4 = torch.ops.scalelab.flash_attn_fwd(q4, k4, v4, bool(is_causal))
+            o4, lse4 = torch.ops.scalelab.flash_attn_fwd(q4, k4, v4, is_causal)
         else:
-            o4, lse4 = flash_fwd_impl(q4, k4, v4, bool(is_causal))
-        out, lse = o4.reshape(q.shape), lse4.reshape(q.shape[:-1])  # views back to (..., N, d)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.is_causal = bool(is_causal)
+            o4, lse4 = flash_fwd_impl(q4, k4, v4, is_causal)
+        out = o4 if q.dim() == 4 else o4.reshape(q.shape)  # a view back to (..., N, d)
+        # backward needs the 4-D operands: save those (same storage), not the caller's views
+        ctx.save_for_backward(q4, k4, v4, o4, lse4)
+        ctx.is_causal = is_causal
         ctx.in_dtypes = in_dtypes
+        ctx.shapes = (q.shape, k.shape, v.shape)
         return out
 
     @staticmethod
     def backward(ctx, do: Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        q4, k4, v4, o4 = _to_4d(q), _to_4d(k), _to_4d(v), _to_4d(out)
-        lse4 = lse.reshape(o4.shape[:-1])
-        do4 = _to_4d(do.to(q.dtype))
+        q4, k4, v4, o4, lse4 = ctx.saved_tensors
+        qs, ks, vs = ctx.shapes
+        if do.dtype != q4.dtype:
+            do = do.to(q4.dtype)
+        do4 = _to_4d(do)
         if _compiling():
             dq, dk, dv = torch.ops.scalelab.flash_attn_bwd(do4, q4, k4, v4, o4, lse4, ctx.is_causal)
         else:
             dq, dk, dv = flash_bwd_impl(do4, q4, k4, v4, o4, lse4, ctx.is_causal)
+        if len(qs) != 4:
+            dq, dk, dv = dq.reshape(qs), dk.reshape(ks), dv.reshape(vs)
         tq, tk, tv = ctx.in_dtypes
-        return dq.reshape(q.shape).to(tq), dk.reshape(k.shape).to(tk), dv.reshape(v.shape).to(tv), None
+        if tq != dq.dtype:
+            dq = dq.to(tq)
+        if tk != dk.dtype:
+            dk = dk.to(tk)
+        if tv != dv.dtype:
+            dv = dv.to(tv)
+        return dq, dk, dv, None
 
 
 def flash_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> tuple[Tensor, Tensor]:
