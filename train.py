@@ -20,6 +20,9 @@ if int(os.environ.get("RANK", "0")) > 0 and not any(a.startswith(("-m", "--multi
 os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # worker errors must not be swallowed
 
 
+import core.config  # noqa: E402,F401 - registers the config resolvers before Hydra composes
+
+
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig):
     from launchers.job import run_job

@@ -136,6 +136,16 @@ class Run:
             torch.cuda.synchronize(self.device)
 
 
+def _stop_agreed(mesh: ParallelMesh, device: torch.device) -> bool:
+    """Whether any rank was asked to stop. Checked only at steps that synchronise anyway (log steps), so a
+    signal landing between two ranks' checks cannot leave them one step apart in their collectives."""
+    if mesh.world_size == 1:
+        return _STOP_REQUESTED
+    flag = torch.tensor([float(_STOP_REQUESTED)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def all_reduce_mean(value: torch.Tensor, mesh: ParallelMesh) -> float:
     """Mean of a scalar over the data-parallel ranks (a no-op on one rank)."""
     group = mesh.group("dp")
@@ -314,12 +324,13 @@ def _train_loop(run: Run) -> dict[str, Any]:
                 loggers.log({"val_loss": val_loss}, step)
             every = cfg.checkpoint.every
             stop_here = tcfg.stop_at_step is not None and step >= tcfg.stop_at_step and step < tcfg.max_steps
-            if (every and step % every == 0) or _STOP_REQUESTED or stop_here:
+            preempted = _stop_agreed(mesh, run.device) if (is_log or mesh.world_size == 1) else False
+            if (every and step % every == 0) or preempted or stop_here:
                 ckpt.save(step, run.strategy, run.raw_model, run.optimizer,
                           {"precision": run.precision.state_dict()})
                 window_start = time.perf_counter()  # keep checkpoint I/O out of step times
-            if _STOP_REQUESTED or stop_here:
-                status = "preempted" if _STOP_REQUESTED else "stopped"
+            if preempted or stop_here:
+                status = "preempted" if preempted else "stopped"
                 break
         if status == "ok":
             val_loss = run.evaluate()
@@ -330,6 +341,11 @@ def _train_loop(run: Run) -> dict[str, Any]:
         loggers.summary(summary)
         if mesh.is_main:
             write_summary(run.run_dir, summary)
+            from core.planner import format_comparison
+
+            predicted = json.loads((run.run_dir / "summary.json").read_text()).get("plan")
+            if predicted:
+                print(format_comparison(predicted, summary), flush=True)
         return summary
     finally:
         loggers.finish()

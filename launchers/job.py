@@ -90,8 +90,14 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
             print(prediction.format())
             prediction.check_fits()
             return prediction.to_dict()
+        from core.planner import plan_or_none
+
+        prediction = plan_or_none(cfg)  # every real run logs the prediction; the summary keeps it
         if not dist_env_present() or int(os.environ.get("RANK", "0")) == 0:
-            _write_json(run_dir / "summary.json", {"status": "running", "overrides": ctx["overrides"]})
+            if prediction is not None:
+                print(prediction.format(), flush=True)
+            _write_json(run_dir / "summary.json", {"status": "running", "overrides": ctx["overrides"],
+                                                   "plan": prediction.to_dict() if prediction else None})
         if mesh.world_size > 1 and not dist_env_present():
             from launchers.local import launch_workers
 

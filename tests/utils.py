@@ -10,6 +10,8 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+import core.config  # noqa: F401 - the resolvers train.py registers
+
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 

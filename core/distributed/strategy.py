@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from core.distributed.mesh import ParallelMesh
+from core.errors import require
 
 OptimizerFactory = Callable[[Iterable[dict[str, Any]]], torch.optim.Optimizer]
 
@@ -49,6 +50,9 @@ class Strategy:
 
     def validate(self, mesh: ParallelMesh) -> None:
         """Raise `ConfigError` if this strategy cannot run on `mesh` (called before any process starts)."""
+        require(mesh.world_size == 1, "parallelism",
+                f"parallelism={self.name} keeps independent replicas, but mesh {mesh.describe()} has "
+                f"{mesh.world_size} ranks", "choose a data-parallel strategy (e.g. parallelism=ddp_bucketed) or mesh=single")
 
     def setup(self, model: nn.Module, mesh: ParallelMesh, init_fn: Callable[[nn.Module], None]) -> nn.Module:
         """Materialise, shard or wrap the model; return the module the trainer calls."""

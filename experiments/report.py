@@ -1,0 +1,243 @@
+"""The sweep report: one row per point, measured beside predicted, as Markdown, CSV and PNG plots.
+
+    python -m experiments.report SWEEP_DIR        # any finished (or partly finished) sweep directory
+
+Every job directory under SWEEP_DIR holding a `summary.json` is a point. The swept keys are the
+job's Hydra overrides (`summary["overrides"]`). Predictions come from `summary["plan"]` when the
+run logged one, else the planner is run on the job's saved `.hydra/config.yaml`.
+
+Writes into SWEEP_DIR: report.md, report.csv, throughput_vs_memory.png, step_time_by_strategy.png.
+At the end of a multirun the `SweepReportCallback` (a Hydra callback) does the same.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.experimental.callback import Callback
+
+MEASURED = [("tokens_per_s", "tokens/s"), ("mfu", "MFU"), ("step_time_ms", "step ms"),
+            ("peak_mem_gib", "peak GiB"), ("exposed_comm_ms", "exposed comm ms"), ("final_loss", "final loss")]
+PREDICTED = [("tokens_per_s", "pred tokens/s"), ("step_time_ms", "pred step ms"), ("peak_mem_gib", "pred peak GiB"),
+             ("exposed_comm_ms", "pred exposed comm ms")]
+
+
+def _overrides(summary: dict[str, Any]) -> dict[str, str]:
+    out = {}
+    for o in summary.get("overrides") or []:
+        if "=" in o:
+            k, v = o.split("=", 1)
+            out[k.lstrip("+~")] = v
+    return out
+
+
+def _plan_for(job_dir: Path, summary: dict[str, Any]) -> Optional[dict[str, Any]]:
+    if isinstance(summary.get("plan"), dict):
+        return summary["plan"]
+    cfg_file = job_dir / ".hydra" / "config.yaml"
+    if not cfg_file.is_file():
+        return None
+    try:
+        from omegaconf import OmegaConf
+
+        from core.planner import plan
+
+        cfg = OmegaConf.load(cfg_file)
+        return plan(cfg).to_dict()
+    except Exception:  # noqa: BLE001 - a point without a prediction still gets its row
+        return None
+
+
+def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
+    """One dict per job: job dir, status, error, swept keys, measured and predicted numbers."""
+    sweep_dir = Path(sweep_dir)
+    rows = []
+    for path in sorted(sweep_dir.rglob("summary.json"), key=lambda p: _job_sort_key(p.parent, sweep_dir)):
+        if "checkpoints" in path.parts:
+            continue
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            summary = {"status": "failed", "error": f"unreadable summary.json: {e}"}
+        job = path.parent
+        row: dict[str, Any] = {"job": str(job.relative_to(sweep_dir)) or ".", "status": summary.get("status", "?"),
+                               "error": summary.get("error"), "swept": _overrides(summary)}
+        peaks = summary.get("peak_mem_gib_per_rank")
+        row["peak_mem_gib_per_rank"] = peaks if isinstance(peaks, list) else None
+        for k, _ in MEASURED:
+            row[k] = summary.get(k)
+        p = row["plan"] = _plan_for(job, summary)
+        for k, _ in PREDICTED:
+            row["pred_" + k] = p.get(k) if p else None
+        row["strategy"] = summary.get("parallelism") or row["swept"].get("parallelism") or "?"
+        row["mesh"] = summary.get("mesh") or row["swept"].get("mesh") or "?"
+        rows.append(row)
+    return rows
+
+
+def _job_sort_key(job: Path, root: Path):
+    name = job.relative_to(root).parts[0] if job != root else ""
+    head = name.split("_", 1)[0]
+    return (int(head) if head.isdigit() else math.inf, str(job))
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return "-"
+        if abs(v) >= 1000:
+            return f"{v:,.0f}"
+        if abs(v) < 1:
+            return f"{v:.3f}"
+        return f"{v:.2f}"
+    if isinstance(v, list):
+        return " / ".join(_fmt(x) for x in v)
+    return str(v)
+
+
+def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
+    """Header and rows (raw values) shared by the Markdown and CSV outputs."""
+    keys = sorted({k for r in rows for k in r["swept"]})
+    # columns for the keys that vary; a key every point shares is stated once above the table
+    swept = [k for k in keys if len({r["swept"].get(k) for r in rows}) > 1] or keys
+    header = ["job", "status", *swept]
+    for k, title in MEASURED:
+        header.append(title)
+        pred = next((t for pk, t in PREDICTED if pk == k), None)
+        if pred:
+            header.append(pred)
+    header += ["peak GiB per rank", "error"]
+    body = []
+    for r in rows:
+        line = [r["job"], r["status"], *[r["swept"].get(k) for k in swept]]
+        for k, _ in MEASURED:
+            line.append(r[k])
+            if any(pk == k for pk, _ in PREDICTED):
+                line.append(r["pred_" + k])
+        line += [r["peak_mem_gib_per_rank"], r["error"]]
+        body.append(line)
+    return header, body
+
+
+def write_markdown(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    header, body = table(rows)
+    ok = sum(r["status"] == "ok" for r in rows)
+    fixed = sorted({f"{k}={v}" for r in rows for k, v in r["swept"].items() if k not in header})
+    out = [f"# Sweep report: {title}", "",
+           f"{len(rows)} points, {ok} ok, {len(rows) - ok} not ok. `pred` columns are the planner's prediction "
+           "(core/planner.py) made before the run." + (f" Every point: `{' '.join(fixed)}`." if fixed else ""), "",
+           "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for line in body:
+        out.append("| " + " | ".join(_fmt(v).replace("|", "\\|").replace("\n", " ") for v in line) + " |")
+    out += ["", "![throughput vs peak memory](throughput_vs_memory.png)", "",
+            "![step time per strategy](step_time_by_strategy.png)", ""]
+    path.write_text("\n".join(out))
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    header, body = table(rows)
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        for line in body:
+            w.writerow(["" if v is None else (";".join(str(x) for x in v) if isinstance(v, list) else v)
+                        for v in line])
+
+
+def write_plots(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    label = lambda r: ", ".join(f"{k}={v}" for k, v in sorted(r["swept"].items())) or r["job"]  # noqa: E731
+    ok = [r for r in rows if r["status"] == "ok" and r["tokens_per_s"] and r["peak_mem_gib"] is not None]
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for r in ok:
+        ax.scatter(r["peak_mem_gib"], r["tokens_per_s"], s=40)
+        ax.annotate(label(r), (r["peak_mem_gib"], r["tokens_per_s"]), fontsize=7, xytext=(4, 4),
+                    textcoords="offset points")
+        if r["pred_peak_mem_gib"] is not None and r["pred_tokens_per_s"]:
+            ax.scatter(r["pred_peak_mem_gib"], r["pred_tokens_per_s"], marker="x", color="gray")
+            ax.plot([r["peak_mem_gib"], r["pred_peak_mem_gib"]], [r["tokens_per_s"], r["pred_tokens_per_s"]],
+                    color="gray", lw=0.5, ls=":")
+    ax.set_xlabel("peak memory per rank (GiB)")
+    ax.set_ylabel("tokens / s")
+    ax.set_title("throughput against peak memory (o measured, x predicted)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths.append(out_dir / "throughput_vs_memory.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    timed = [r for r in rows if r["status"] == "ok" and r["step_time_ms"]]
+    names = [f"{r['strategy']}\n{r['mesh']}" for r in timed]
+    xs = range(len(timed))
+    ax.bar([x - 0.2 for x in xs], [r["step_time_ms"] for r in timed], width=0.4, label="measured")
+    ax.bar([x + 0.2 for x in xs], [r["pred_step_time_ms"] or 0 for r in timed], width=0.4, label="predicted",
+           color="lightgray", edgecolor="gray")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(names, fontsize=7)
+    ax.set_ylabel("step time (ms)")
+    ax.set_title("step time per strategy and mesh")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out_dir / "step_time_by_strategy.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def report(sweep_dir: str | Path, quiet: bool = False) -> dict[str, Path]:
+    """Write report.md, report.csv and the plots into `sweep_dir`; return their paths."""
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        from core.errors import ConfigError
+
+        raise ConfigError("report", f"{sweep_dir} is not a directory", "pass a sweep directory (hydra.sweep.dir)")
+    rows = collect(sweep_dir)
+    out = {"markdown": sweep_dir / "report.md", "csv": sweep_dir / "report.csv"}
+    write_markdown(rows, out["markdown"], sweep_dir.name)
+    write_csv(rows, out["csv"])
+    try:
+        p = write_plots(rows, sweep_dir)
+        out["throughput_plot"], out["step_time_plot"] = p
+    except ImportError as e:
+        print(f"[scalelab] report: no plots ({e}); pip install matplotlib", file=sys.stderr)
+    if not quiet:
+        print(out["markdown"].read_text())
+        print(f"[scalelab] report written to {sweep_dir}", flush=True)
+    return out
+
+
+class SweepReportCallback(Callback):
+    """Hydra callback: write the report when a multirun ends (local or SLURM launcher)."""
+
+    def on_multirun_end(self, config, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        if sweep_dir.is_dir():
+            try:
+                report(sweep_dir)
+            except Exception as e:  # noqa: BLE001 - a report failure must not hide the sweep's results
+                print(f"[scalelab] sweep report failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        return 2
+    report(argv[0])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

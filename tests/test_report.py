@@ -1,0 +1,120 @@
+"""The sweep report on a stand-in sweep directory: rows, swept keys, predictions, failures, files."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments.report import collect, report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _job(root: Path, name: str, overrides: list[str], **summary) -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    (d / "summary.json").write_text(json.dumps({"overrides": overrides, **summary}))
+    return d
+
+
+@pytest.fixture()
+def sweep(tmp_path: Path) -> Path:
+    plan = {"step_time_ms": 100.0, "tokens_per_s": 20000.0, "peak_mem_gib": 10.0, "exposed_comm_ms": 5.0}
+    _job(tmp_path, "0_mesh=dp1,parallelism=ddp_bucketed", ["mesh=dp1", "parallelism=ddp_bucketed"], status="ok",
+         error=None, parallelism="ddp_bucketed", mesh="single", tokens_per_s=18000.0, mfu=0.31, step_time_ms=110.0,
+         peak_mem_gib=11.0, peak_mem_gib_per_rank=[11.0], exposed_comm_ms=0.0, final_loss=3.5, plan=plan)
+    _job(tmp_path, "1_mesh=dp2,parallelism=fsdp", ["mesh=dp2", "parallelism=fsdp"], status="ok", error=None,
+         parallelism="fsdp", mesh="dp_shard2", tokens_per_s=30000.0, mfu=0.27, step_time_ms=130.0,
+         peak_mem_gib=6.5, peak_mem_gib_per_rank=[6.5, 6.4], exposed_comm_ms=12.0, final_loss=3.4,
+         plan={**plan, "peak_mem_gib": 6.0})
+    _job(tmp_path, "10_mesh=dp2,parallelism=zero1", ["mesh=dp2", "parallelism=zero1"], status="failed",
+         error="RuntimeError: boom | with a pipe")
+    return tmp_path
+
+
+def test_rows_follow_job_numbers_and_carry_swept_keys(sweep: Path):
+    rows = collect(sweep)
+    assert [r["job"].split("_")[0] for r in rows] == ["0", "1", "10"]
+    assert rows[1]["swept"] == {"mesh": "dp2", "parallelism": "fsdp"}
+    assert rows[1]["pred_peak_mem_gib"] == 6.0 and rows[1]["peak_mem_gib_per_rank"] == [6.5, 6.4]
+    assert rows[2]["status"] == "failed" and "boom" in rows[2]["error"]
+
+
+def test_markdown_csv_and_plots(sweep: Path):
+    out = report(sweep, quiet=True)
+    md = out["markdown"].read_text()
+    assert md.count("\n| ") == 4  # header + 3 points
+    assert "| 1_mesh=dp2,parallelism=fsdp | ok | dp2 | fsdp |" in md
+    assert "boom \\| with a pipe" in md
+    with out["csv"].open() as f:
+        table = list(csv.DictReader(f))
+    assert [r["parallelism"] for r in table] == ["ddp_bucketed", "fsdp", "zero1"]
+    assert float(table[1]["tokens/s"]) == 30000.0 and float(table[1]["pred peak GiB"]) == 6.0
+    assert table[1]["peak GiB per rank"] == "6.5;6.4" and table[2]["status"] == "failed"
+    for key in ("throughput_plot", "step_time_plot"):
+        assert out[key].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prediction_recomputed_from_the_saved_config(tmp_path: Path):
+    """A run that logged no plan still gets one, from its .hydra/config.yaml."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["model=tiny", "++planner.device=cpu"])
+    d = _job(tmp_path, "0_model=tiny", ["model=tiny"], status="ok", error=None, tokens_per_s=1.0, step_time_ms=1.0,
+             peak_mem_gib=0.0)
+    (d / ".hydra").mkdir()
+    (d / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    rows = collect(tmp_path)
+    from hydra.utils import instantiate
+
+    assert rows[0]["plan"]["params"] == instantiate(cfg.model).num_params()
+    assert rows[0]["pred_step_time_ms"] > 0
+
+
+def test_command_line(sweep: Path):
+    r = subprocess.run([sys.executable, "-m", "experiments.report", str(sweep)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (sweep / "report.md").is_file() and "Sweep report" in r.stdout
+
+
+def test_validated_sweeper_lists_every_invalid_point_before_starting(tmp_path: Path):
+    """No CUDA here: every mesh.device=cuda point is invalid, and the odd batch fails its own check."""
+    r = subprocess.run([sys.executable, "train.py", "-m", "hydra/sweeper=validated", "model=tiny",
+                        "parallelism=ddp_bucketed", "mesh=dp1,dp2", "mesh.device=cuda,cpu", "train.batch_size=16,15",
+                        f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    # 4 cuda points + the dp2 point whose 15 sequences do not split over 2 ranks
+    assert "5 of 8 sweep points cannot run; nothing was started" in r.stderr
+    assert r.stderr.count("mesh.device=cuda") == 4 and "CUDA" in r.stderr
+    assert not list((tmp_path / "sweep").glob("*/summary.json"))
+
+
+@pytest.mark.parametrize("world,per_node,gpus,expected", [
+    (1, 8, True, {"tasks_per_node": 1, "nodes": 1, "gpus_per_node": 1}),
+    (2, 8, True, {"tasks_per_node": 2, "nodes": 1, "gpus_per_node": 2}),
+    (16, 8, True, {"tasks_per_node": 8, "nodes": 2, "gpus_per_node": 8}),
+    (12, 8, True, {"tasks_per_node": 6, "nodes": 2, "gpus_per_node": 6}),
+    (2, 2, False, {"tasks_per_node": 2, "nodes": 1}),
+])
+def test_slurm_resources_follow_each_points_mesh(world, per_node, gpus, expected):
+    from launchers.slurm import ScalelabSlurmLauncher
+
+    launcher = ScalelabSlurmLauncher(ranks_per_node=per_node, gpus=gpus, submitit_folder="x", timeout_min=1)
+    assert launcher._resources(world) == expected
+
+
+def test_slurm_refuses_a_world_that_does_not_split_over_nodes():
+    from core.errors import ConfigError
+    from launchers.slurm import ScalelabSlurmLauncher
+
+    with pytest.raises(ConfigError, match="9 ranks do not split evenly over 2 nodes"):
+        ScalelabSlurmLauncher(ranks_per_node=8, gpus=True, submitit_folder="x")._resources(9)

@@ -1,0 +1,120 @@
+"""Sweeps through hydra/launcher=slurm on a real one-node Slurm cluster (launchers/slurm_local_cluster.sh).
+
+Skipped, with the reason, only when `sinfo` shows no idle node (the daemons could not start).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slurm
+
+
+def _cluster_reason() -> str | None:
+    if shutil.which("sinfo") is None:
+        return "no sinfo: run launchers/slurm_local_cluster.sh (installs slurm-wlm and munge) first"
+    r = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        return f"sinfo failed ({r.stderr.strip()[:200]}): start the cluster with launchers/slurm_local_cluster.sh"
+    if not {"idle", "mix"} & set(r.stdout.split()):
+        return f"sinfo shows no idle node ({r.stdout.strip() or 'no nodes'}): launchers/slurm_local_cluster.sh"
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    reason = _cluster_reason()
+    for _ in range(90):  # a node still completing an earlier job ("comp", "alloc") becomes idle shortly
+        if reason is None or "no idle node (" not in reason or "no nodes" in reason:
+            break
+        time.sleep(1)
+        reason = _cluster_reason()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+SLURM_CPU = ["hydra/launcher=slurm", "hydra/sweeper=validated",
+             "hydra.launcher.gpus=false", "hydra.launcher.ranks_per_node=2", "hydra.launcher.cpus_per_task=1",
+             "hydra.launcher.timeout_min=10", "mesh.device=cpu", "model=tiny"]
+
+
+def _train(args: list[str], timeout: int = 240, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+    return subprocess.run([sys.executable, "train.py", "-m", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env, **kw)
+
+
+def test_two_point_sweep_of_two_rank_jobs(tmp_path: Path):
+    sweep = tmp_path / "sweep"
+    r = _train([*SLURM_CPU, "mesh=dp2", "parallelism=ddp_bucketed,ddp_flat", "train.max_steps=4",
+                "train.log_every=2", f"hydra.sweep.dir={sweep}"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    jobs = sorted(p.parent for p in sweep.glob("*/summary.json"))
+    assert len(jobs) == 2
+    for job in jobs:
+        s = json.loads((job / "summary.json").read_text())
+        assert s["status"] == "ok", s
+        assert s["world_size"] == 2 and len(s["peak_mem_gib_per_rank"]) == 2  # two SLURM tasks, one rank each
+        steps = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in steps if "loss" in m][-1] == 4
+    # each job was one 2-task SLURM job (no torchrun inside): submitit wrote one log per task
+    job_dirs = [d for d in (sweep / ".submitit").iterdir() if list(d.glob("*_submitted.pkl"))]
+    assert len(job_dirs) == 2
+    for d in job_dirs:
+        assert sorted(p.name.split("_")[-2] for p in d.glob("*_log.out")) == ["0", "1"]
+    scripts = "".join(p.read_text() for p in (sweep / ".submitit").rglob("*_submission.sh"))
+    assert "#SBATCH --ntasks-per-node=2" in scripts and "#SBATCH --nodes=1" in scripts
+    assert "torchrun" not in scripts
+    md = (sweep / "report.md").read_text()
+    assert "| ok | ddp_bucketed |" in md and "| ok | ddp_flat |" in md
+    assert (sweep / "throughput_vs_memory.png").stat().st_size > 1000
+
+
+def test_invalid_points_are_all_listed_and_nothing_is_submitted(tmp_path: Path):
+    sweep = tmp_path / "sweep"
+    r = _train([*SLURM_CPU, "mesh=dp2", "parallelism=ddp_bucketed", "train.batch_size=3,5,4",
+                f"hydra.sweep.dir={sweep}"], timeout=120)
+    assert r.returncode == 2
+    assert "2 of 3 sweep points cannot run" in r.stderr
+    assert "train.batch_size=3" in r.stderr and "train.batch_size=5" in r.stderr
+    assert not (sweep / ".submitit").exists()
+
+
+def test_preemption_signal_checkpoints_requeues_and_resumes(tmp_path: Path):
+    sweep = tmp_path / "sweep"
+    proc = subprocess.Popen([sys.executable, "train.py", "-m", *SLURM_CPU, "mesh=dp2", "parallelism=ddp_bucketed",
+                             "train.max_steps=12", "train.log_every=1", "train.eval_every=0",
+                             f"hydra.sweep.dir={sweep}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+    try:
+        deadline = time.time() + 120
+        job_id = metrics = None
+        while time.time() < deadline:
+            sub = sweep / ".submitit"
+            ids = [d.name for d in sub.iterdir() if d.is_dir() and d.name[0].isdigit()] if sub.is_dir() else []
+            found = list(sweep.glob("*/metrics.jsonl"))
+            if ids and found and len(found[0].read_text().splitlines()) >= 1:
+                job_id, metrics = ids[0], found[0]
+                break
+            time.sleep(1)
+        assert job_id is not None, "the job did not start training within 120 s"
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    job = metrics.parent
+    s = json.loads((job / "summary.json").read_text())
+    assert s["status"] == "ok" and s["steps"] == 12, s
+    assert list((job / "checkpoints").iterdir()), "no checkpoint was saved on the signal"
+    logs = "".join(p.read_text() for p in (sweep / ".submitit").rglob("*_0_log.*"))
+    assert "job requeued" in logs and "resumed at step" in logs
