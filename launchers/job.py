@@ -46,6 +46,11 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _is_signal(exc: BaseException) -> bool:
+    """A termination signal relayed as an exception (torch elastic's SignalException)."""
+    return type(exc).__name__ == "SignalException"
+
+
 def config_error_in(exc: BaseException) -> ConfigError | None:
     """The ConfigError behind `exc`, if any (hydra.utils.instantiate wraps errors of the targets it calls)."""
     seen = set()
@@ -106,6 +111,12 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
 
         return train(cfg)
     except Exception as e:
+        if _is_signal(e):  # killed (timeout, scancel, Ctrl-C): stop the whole sweep, do not go on
+            if run_dir is not None:
+                _write_json(run_dir / "summary.json", {"status": "killed", "error": str(e), "overrides": ctx["overrides"]})
+            print(f"[scalelab] {e}: stopping", file=sys.stderr, flush=True)
+            # SystemExit, not an Exception: Hydra's launcher would record an Exception and start the next point
+            raise SystemExit(128 + int(getattr(e, "sigval", 15))) from None
         config_error = config_error_in(e)
         bad_input = config_error is not None
         message = str(config_error) if bad_input else f"{type(e).__name__}: {e}"
