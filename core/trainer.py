@@ -35,6 +35,7 @@ from core.metrics import (FlopCounter, memory_stats, model_flops_per_token, peak
 from core.model import ModelConfig, TransformerLM
 from core.optim import WarmupCosine, optimizer_factory, param_groups
 from core.precision import Precision
+from core.profiling import nvtx_range
 
 # Set by a signal handler (SLURM's pre-emption warning) or `request_checkpoint_and_exit()`:
 # the loop saves a checkpoint at the next step boundary and returns with status "preempted".
@@ -96,8 +97,10 @@ class Run:
         for micro in range(accum):
             x, y = self.micro_batch("train", step, micro)
             with self.strategy.gradient_sync(micro == accum - 1):
-                loss = self.loss(x, y) / accum
-                self.precision.backward(loss)
+                with nvtx_range("forward"):
+                    loss = self.loss(x, y) / accum
+                with nvtx_range("backward"):
+                    self.precision.backward(loss)
             total += loss.detach()
         self.strategy.finish_gradient_synchronization()
         return total

@@ -118,6 +118,12 @@ class FlatDDP(DataParallel):
                 g.copy_(synced)
 
 
+def _has_group_src() -> bool:
+    import inspect
+
+    return "group_src" in inspect.signature(dist.broadcast_object_list).parameters
+
+
 class _Bucket:
     __slots__ = ("params", "offsets", "numel", "buffer", "remaining", "work", "index")
 
@@ -167,6 +173,7 @@ class BucketedDDP(DataParallel):
         self.comm_dtype = getattr(torch, comm_dtype) if isinstance(comm_dtype, str) else comm_dtype
         self._ready_order: Optional[list[nn.Parameter]] = []  # recorded on the first synced backward
         self._launched: list[_Bucket] = []
+        self._next_bucket = 0  # buckets launch in index order; this is the next one to go
         self._build_buckets(list(reversed(self.params)))
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
@@ -200,8 +207,11 @@ class BucketedDDP(DataParallel):
             self._ready_order.append(p)
         b = self._bucket_of[id(p)]
         b.remaining -= 1
-        if b.remaining == 0:
-            self._launch(b)
+        # Launch strictly in bucket order, as torch's DDP reducer does: NCCL needs every rank to issue
+        # collectives in one order, and hooks may fire in a different order on different ranks.
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].remaining == 0:
+            self._launch(self.buckets[self._next_bucket])
+            self._next_bucket += 1
 
     @torch.no_grad()
     def _launch(self, b: _Bucket) -> None:
@@ -233,9 +243,11 @@ class BucketedDDP(DataParallel):
     def finish_gradient_synchronization(self) -> None:
         if self.world == 1 or not self.require_backward_grad_sync:
             return
-        for b in self.buckets:  # parameters that got no gradient this step: reduce what is there
-            if 0 < b.remaining < len(b.params) or (b.remaining and any(p.grad is not None for p in b.params)):
+        # buckets not launched yet (a parameter got no gradient this step), still in bucket order
+        for b in self.buckets[self._next_bucket:]:
+            if b.remaining < len(b.params) or any(p.grad is not None for p in b.params):
                 self._launch(b)
+        self._next_bucket = 0
         dst, src = [], []  # low-precision buckets: copied back (cast) in one multi-tensor pass at the end
         for b in self._launched:
             self.timer.wait(b.work)
@@ -260,9 +272,17 @@ class BucketedDDP(DataParallel):
             order, self._ready_order = self._ready_order, None
             seen = {id(p) for p in order}
             rest = [p for p in reversed(self.params) if id(p) not in seen]
-            new_order = [id(p) for p in order + rest]
-            if len(new_order) == len(self.params) and new_order != [id(p) for p in reversed(self.params)]:
-                self._build_buckets(order + rest)  # same on every rank: the backward graph is the same
+            index = {id(p): i for i, p in enumerate(self.params)}
+            new_order = [index[id(p)] for p in order + rest]
+            # every rank takes rank 0's observed order, so bucket contents agree even if hook order differed
+            box = [new_order]
+            dist.broadcast_object_list(box, group=self.process_group,
+                                       group_src=0) if _has_group_src() else dist.broadcast_object_list(
+                box, src=dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0,
+                group=self.process_group)
+            new_order = box[0]
+            if len(new_order) == len(self.params) and new_order != list(reversed(range(len(self.params)))):
+                self._build_buckets([self.params[i] for i in new_order])
 
 
 class OverlapDDP(BucketedDDP):
