@@ -19,19 +19,9 @@ from core.errors import ConfigError
 
 def check_point(cfg: DictConfig, check_devices: bool = True) -> None:
     """Raise ConfigError if this composed job config cannot run (no process is started)."""
-    from hydra.utils import instantiate
+    from launchers.job import validate
 
-    instantiate(cfg.model)
-    mesh = instantiate(cfg.mesh)
-    if check_devices:
-        mesh.validate_devices()
-    instantiate(cfg.parallelism).validate(mesh)
-    try:
-        from core.trainer import validate_batch
-    except ImportError:  # pragma: no cover
-        validate_batch = None
-    if validate_batch is not None:
-        validate_batch(cfg, mesh.dp_size)
+    validate(cfg, check_devices)  # the same checks a single job runs before it starts
     if check_devices or OmegaConf.select(cfg, "planner.device", default="auto") not in (None, "auto"):
         from core.planner import plan
 

@@ -118,12 +118,6 @@ class FlatDDP(DataParallel):
                 g.copy_(synced)
 
 
-def _has_group_src() -> bool:
-    import inspect
-
-    return "group_src" in inspect.signature(dist.broadcast_object_list).parameters
-
-
 class _Bucket:
     __slots__ = ("params", "offsets", "numel", "buffer", "remaining", "work", "index")
 
@@ -276,10 +270,8 @@ class BucketedDDP(DataParallel):
             new_order = [index[id(p)] for p in order + rest]
             # every rank takes rank 0's observed order, so bucket contents agree even if hook order differed
             box = [new_order]
-            dist.broadcast_object_list(box, group=self.process_group,
-                                       group_src=0) if _has_group_src() else dist.broadcast_object_list(
-                box, src=dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0,
-                group=self.process_group)
+            src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+            dist.broadcast_object_list(box, src=src, group=self.process_group)
             new_order = box[0]
             if len(new_order) == len(self.params) and new_order != list(reversed(range(len(self.params)))):
                 self._build_buckets([self.params[i] for i in new_order])
