@@ -223,6 +223,7 @@ def build(cfg: DictConfig) -> Run:
 
     groups = param_groups(model, cfg.optimizer.weight_decay)
     optimizer = strategy.build_optimizer(wrapped, groups, optimizer_factory(cfg.optimizer, mesh.device_obj))
+    strategy.measure_communication(False)  # the training loop turns it on for the steps it logs
     schedule = WarmupCosine(cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.warmup_steps, cfg.train.max_steps)
 
     per_token = model_flops_per_token(model_cfg, data.seq_len, cfg.metrics.causal_attention_flops)
@@ -302,6 +303,7 @@ def _train_loop(run: Run) -> dict[str, Any]:
         while step < tcfg.max_steps:
             t0 = time.perf_counter()
             is_log = (step + 1) % tcfg.log_every == 0 or step == start_step or step + 1 == tcfg.max_steps
+            run.strategy.measure_communication(is_log)
             loss, norm = run.train_step(step, measure_norm=is_log)
             step += 1
             window_steps += 1

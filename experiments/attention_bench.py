@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-ALL_IMPLS = ("naive", "compiled", "sdpa_flash", "sdpa_cudnn", "flash_torch", "flash_triton")
+ALL_IMPLS = ("naive", "compiled", "sdpa_flash", "sdpa_cudnn", "flash_torch", "flash_triton", "flash_triton_atomic")
 FLASH_TORCH_MAX_SEQ = 1024
 MODES = ("fwd", "bwd", "fwd_bwd")
 
@@ -78,7 +78,7 @@ def make_impl(name: str):
     if base == "flash_torch":
         from core.kernels.flash_torch import FlashAttentionTorch
         return lambda q, k, v: FlashAttentionTorch.apply(q, k, v, True)
-    if base == "flash_triton":
+    if base in ("flash_triton", "flash_triton_atomic"):  # _atomic: one-pass backward, atomic fp32 dQ
         from core.kernels import flash_triton as ft
         pins = {}
         for part in filter(None, spec.split(",")):
@@ -86,7 +86,7 @@ def make_impl(name: str):
             pins[kname] = tuple(int(x) for x in cfg.split("x"))
 
         pinned = {n: tuple(c) for n, c in pins.items()}
-        apply = ft.FlashAttentionTriton.apply
+        apply = (ft.FlashAttentionTritonAtomicDQ if base == "flash_triton_atomic" else ft.FlashAttentionTriton).apply
 
         def fa(q, k, v):
             if ft._PINNED != pinned:  # variants share the process: re-pin only when it changed
@@ -333,9 +333,12 @@ def main(argv=None) -> int:
         t_f = do_bench(lambda: ft.flash_fwd_impl(q, k, v, True), warmup=warmup, rep=rep, return_mode="median")
         t_b = do_bench(lambda: ft.flash_bwd_impl(do, q, k, v, o, lse, True), warmup=warmup, rep=rep,
                        return_mode="median")
+        t_a = do_bench(lambda: ft.flash_bwd_impl(do, q, k, v, o, lse, True, True), warmup=warmup, rep=rep,
+                       return_mode="median")
         f = attn_flops(1, 16, 16384, 64, "fwd")
         out += [f"- forward kernel {t_f:.3f} ms ({f / t_f / 1e9:.0f} TFLOP/s); backward kernels (dq pass + "
-                f"dk/dv pass) {t_b:.3f} ms ({2.5 * f / t_b / 1e9:.0f} TFLOP/s)"]
+                f"dk/dv pass) {t_b:.3f} ms ({2.5 * f / t_b / 1e9:.0f} TFLOP/s); one-pass atomic-dQ backward "
+                f"{t_a:.3f} ms ({2.5 * f / t_a / 1e9:.0f} TFLOP/s)"]
         print(out[-1], flush=True)
     if any(i.startswith("flash_triton") for i in impls):
         from core.kernels.flash_triton import tuned_configs

@@ -104,7 +104,10 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
                 print(prediction.format(), flush=True)
             _write_json(run_dir / "summary.json", {"status": "running", "overrides": ctx["overrides"],
                                                    "plan": prediction.to_dict() if prediction else None})
-        if mesh.world_size > 1 and not dist_env_present():
+        # Ranks run in worker processes. In a sweep a one-rank job does too: points run one after another
+        # in this process, and one left here would keep its CUDA memory, compiled kernels and allocator
+        # state for the next point (the next job's rank 0 then runs out of memory on the same GPU).
+        if not dist_env_present() and (mesh.world_size > 1 or ctx["multirun"]):
             from launchers.local import launch_workers
 
             return launch_workers(cfg, mesh.world_size)

@@ -57,8 +57,13 @@ def choose_port(cfg: DictConfig) -> int:
 
 def _worker_entry(cfg_container: dict[str, Any]) -> Any:
     """One rank: rebuild the resolved config and train. Wrapped by `record` so errors reach the agent."""
+    import faulthandler
+    import signal
+
     from core.trainer import train
 
+    # `kill -USR2 <worker pid>` prints every thread's Python stack: where a stuck rank is waiting
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     cfg = OmegaConf.create(cfg_container)
     threads = os.environ.get("SCALELAB_WORKER_THREADS")
     if threads:  # CPU ranks share the cores instead of each taking all of them

@@ -19,7 +19,8 @@ from core.errors import ConfigError  # noqa: E402
 from core.kernels import flash_triton as ft  # noqa: E402
 from core.kernels._flash_common import reference_attention  # noqa: E402
 from core.kernels.flash_torch import FlashAttentionTorch  # noqa: E402
-from core.kernels.flash_triton import FlashAttentionTriton, flash_attention_with_lse  # noqa: E402
+from core.kernels.flash_triton import (FlashAttentionTriton, FlashAttentionTritonAtomicDQ,  # noqa: E402
+                                       flash_attention_with_lse)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -87,7 +88,8 @@ def check_against_reference(fn, q, k, v, causal, tol):
 
 
 IMPLS = [pytest.param(FlashAttentionTorch.apply, id="flash_torch"),
-         pytest.param(FlashAttentionTriton.apply, id="flash_triton", marks=needs_triton)]
+         pytest.param(FlashAttentionTriton.apply, id="flash_triton", marks=needs_triton),
+         pytest.param(FlashAttentionTritonAtomicDQ.apply, id="flash_triton_atomic_dq", marks=needs_triton)]
 
 # (q shape, n_k, causal): odd lengths, N_q != N_k both ways (causal bottom-right), extra lead dims
 CASES = [((2, 2, 37, 16), 37, True), ((1, 2, 33, 32), 70, True), ((1, 2, 70, 16), 33, True),
@@ -121,8 +123,9 @@ def test_non_contiguous_model_layout(fn):
 
 
 @needs_triton
+@pytest.mark.parametrize("fn_cls", [FlashAttentionTriton, FlashAttentionTritonAtomicDQ], ids=["two_pass", "atomic_dq"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_triton_logsumexp_and_every_element_written(causal, monkeypatch):
+def test_triton_logsumexp_and_every_element_written(causal, fn_cls, monkeypatch):
     monkeypatch.setattr(ft, "POISON_OUTPUTS", True)  # outputs start as NaN: unwritten shows up
     torch.manual_seed(2)
     q, k, v = make_qkv((1, 2, 45, 16), 30, torch.float32)
@@ -132,11 +135,12 @@ def test_triton_logsumexp_and_every_element_written(causal, monkeypatch):
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)  # rows that see no key: -inf, output 0
-    assert (lse.double()[finite] - ref_lse[finite]).abs().max() < 1e-3
+    # fp32 runs its dots in TF32 on the GPU (10-bit mantissa): logsumexp is then good to ~1e-3 relative
+    assert (lse.double()[finite] - ref_lse[finite]).abs().max() < (1e-2 if CUDA else 1e-3)
     assert rel_err(out, ref) < TOL[torch.float32]
     # backward writes every gradient element too
     q.grad = k.grad = v.grad = None
-    FlashAttentionTriton.apply(q, k, v, causal).sum().backward()
+    fn_cls.apply(q, k, v, causal).sum().backward()
     assert not any(torch.isnan(g).any() for g in (q.grad, k.grad, v.grad))
 
 
@@ -228,13 +232,14 @@ def test_triton_refuses_cpu_without_interpreter(monkeypatch):
 
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fn_cls", [FlashAttentionTriton, FlashAttentionTritonAtomicDQ], ids=["two_pass", "atomic_dq"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_larger_shapes(dtype):
+def test_gpu_larger_shapes(dtype, fn_cls):
     torch.manual_seed(6)
     q, k, v = make_qkv((2, 4, 1000, 64), 1000, dtype, noncontig=True)
-    check_against_reference(FlashAttentionTriton.apply, q, k, v, True, TOL[dtype])
+    check_against_reference(fn_cls.apply, q, k, v, True, TOL[dtype])
     q, k, v = make_qkv((1, 2, 300, 128), 777, dtype)
-    check_against_reference(FlashAttentionTriton.apply, q, k, v, True, TOL[dtype])
+    check_against_reference(fn_cls.apply, q, k, v, True, TOL[dtype])
 
 
 @gpu

@@ -41,23 +41,43 @@ def supports_avg(pg: Optional[dist.ProcessGroup]) -> bool:
         return False
 
 
-def broadcast_module(module: torch.nn.Module, pg: Optional[dist.ProcessGroup]) -> None:
-    """Copy group rank 0's parameters and buffers to every rank (one flat broadcast per dtype)."""
+def broadcast_module(module: torch.nn.Module, pg: Optional[dist.ProcessGroup],
+                     chunk_bytes: int = 256 * 2**20) -> None:
+    """Copy group rank 0's parameters and buffers to every rank.
+
+    Small tensors travel coalesced in flat chunks of at most `chunk_bytes` (per dtype and device); a larger
+    contiguous tensor is broadcast in place. The extra memory is one chunk, not a copy of the model (a
+    model-sized flat buffer would add its whole size to the run's peak)."""
     if group_size(pg) == 1:
         return
     tensors = list({id(t): t for t in list(module.parameters()) + list(module.buffers())}.values())
-    by_dtype: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault((t.dtype, t.device), []).append(t)
     src = global_rank(pg, 0)
+
+    def flush(ts: list[torch.Tensor]) -> None:
+        if not ts:
+            return
+        flat = torch.cat([t.detach().reshape(-1) for t in ts])
+        dist.broadcast(flat, src=src, group=pg)
+        off = 0
+        for t in ts:
+            t.copy_(flat[off:off + t.numel()].view_as(t))
+            off += t.numel()
+
+    pending: dict[tuple, list[torch.Tensor]] = {}
     with torch.no_grad():
-        for ts in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in ts])
-            dist.broadcast(flat, src=src, group=pg)
-            off = 0
-            for t in ts:
-                t.copy_(flat[off:off + t.numel()].view_as(t))
-                off += t.numel()
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            if nbytes >= chunk_bytes and t.is_contiguous():
+                dist.broadcast(t.detach(), src=src, group=pg)
+                continue
+            key = (t.dtype, t.device)
+            group = pending.setdefault(key, [])
+            if group and sum(x.numel() for x in group) * t.element_size() + nbytes > chunk_bytes:
+                flush(group)
+                group.clear()
+            group.append(t)
+        for group in pending.values():
+            flush(group)
 
 
 @torch.no_grad()
@@ -96,7 +116,8 @@ class CommTimer:
         self.reset()
 
     def reset(self) -> None:
-        self._works: list[Any] = []          # NCCL works with their own duration
+        self._works: list[Any] = []          # NCCL works not yet finished on the GPU (their duration is pending)
+        self._nccl_ms = 0.0                  # summed durations of the finished ones
         self._blocking: list[tuple] = []      # (start, end) events or (t0, t1) wall clock: comm and exposed
         self._waits: list[tuple] = []         # exposed-only intervals
         self._async_cpu: list[tuple] = []     # CPU (launch, done) intervals of async collectives
@@ -114,6 +135,7 @@ class CommTimer:
         if self.enabled and work is not None:
             if self.cuda:
                 if self.nccl_timing:
+                    self._harvest()
                     self._works.append(work)
             else:
                 self._pending_cpu[id(work)] = time.perf_counter()
@@ -130,6 +152,7 @@ class CommTimer:
         work.wait()
         end = self._mark()
         self._waits.append((start, end))
+        self._harvest()
         t0 = self._pending_cpu.pop(id(work), None)
         if t0 is not None:
             self._async_cpu.append((t0, end))
@@ -144,6 +167,24 @@ class CommTimer:
         yield
         self._blocking.append((start, self._mark()))
 
+    def _harvest(self, all_done: bool = False) -> None:
+        """Read the duration of every work that has finished on the GPU and let go of it.
+
+        A work holds the tensors of its collective (gradients, gathered weights): kept until the step's
+        metrics are read, it would keep FSDP's gathered layers and last step's gradients alive and
+        inflate the very peak memory being measured. Polling (`is_completed`, no sync) on every launch
+        and wait releases each one soon after the GPU is done with it."""
+        pending = []
+        for w in self._works:
+            if all_done or w.is_completed():
+                try:
+                    self._nccl_ms += float(w._get_duration())
+                except Exception:  # noqa: BLE001 - timing unavailable for this work
+                    pass
+            else:
+                pending.append(w)
+        self._works = pending
+
     def _ms(self, pair: tuple) -> float:
         a, b = pair
         return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
@@ -157,11 +198,8 @@ class CommTimer:
         exposed = blocking + sum(self._ms(p) for p in self._waits)
         comm = blocking
         if self.cuda:
-            for w in self._works:
-                try:
-                    comm += float(w._get_duration())
-                except Exception:  # noqa: BLE001 - timing unavailable for this work
-                    pass
+            self._harvest(all_done=True)  # synchronized above: every work has finished
+            comm += self._nccl_ms
         else:  # union of async intervals
             spans = sorted(self._async_cpu)
             cur_a = cur_b = None

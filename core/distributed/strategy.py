@@ -93,6 +93,20 @@ class Strategy:
         """Per-step numbers this strategy measures (communication time, exposed part, ...)."""
         return {}
 
+    def measure_communication(self, enabled: bool) -> None:
+        """Time the collectives of the steps that follow, or not.
+
+        Timing keeps every NCCL work, and with it the tensors the collective used (gradients, gathered
+        weights), until `step_metrics()` reads the durations: left on across steps it would hold last step's
+        gradients while the next backward allocates new ones. The trainer turns it on for the steps it
+        logs (and reads them at the end of each), and off for all others."""
+        timer = getattr(self, "timer", None)
+        if timer is None:
+            return
+        if enabled and not timer.enabled:
+            timer.reset()
+        timer.enabled = enabled
+
     def memory_breakdown(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer state."""
         return memory_breakdown(model.parameters(), optimizer)

@@ -12,6 +12,8 @@ Kernels (plain pointer arithmetic, so the same source runs on Triton 3.6 and 3.9
 - backward, two passes (no atomics): `_bwd_dq_kernel` computes delta = rowsum(dO * O)
   for its query tile, stores it, and accumulates dQ over key tiles; `_bwd_dkdv_kernel`
   then holds one key tile and accumulates dK and dV over the query tiles that see it.
+  `FlashAttentionTritonAtomicDQ`: one dK/dV pass that also atomically adds dS K into an fp32
+  dQ buffer (5 tile matmuls, not 7); measured slower on an H100 (docs/attention.md, run 6).
 - tile sizes, warps and pipeline stages are autotuned per (head dim, dtype, causal,
   sequence-length class) over a short list, so a first call stays within seconds.
 
@@ -258,9 +260,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
+                        dq_base, stride_dqm, sm_scale,
                         offs_n, offs_m0, offs_d, lo, hi, n_q, causal_off, qk_scale,
                         MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ATOMIC_DQ: tl.constexpr):
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_m0
             q = _load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, n_q, offs_d,
@@ -285,12 +288,22 @@ if HAVE_TRITON:
             dp_t = _mm(v, tl.trans(do))
             ds_t = p_t * (dp_t - delta[None, :])
             dk = _mma(ds_t.to(q.dtype), q, dk)
+            if ATOMIC_DQ:
+                # this key tile's share of dQ = dS K, added into an fp32 buffer: 5 matmuls per tile
+                # instead of the two-pass scheme's 7 (it recomputes S and dP for dQ)
+                dq_part = _mm(tl.trans(ds_t.to(k.dtype)), k) * sm_scale
+                dq_ptrs = dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :]
+                if MASKED or BLOCK_D != HEAD_DIM:
+                    tl.atomic_add(dq_ptrs, dq_part, mask=(offs_m[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM),
+                                  sem="relaxed")
+                else:
+                    tl.atomic_add(dq_ptrs, dq_part, sem="relaxed")
         return dk, dv
 
     # SEQ_CLASS is a tuning key only and n_heads only divides program ids: neither is specialized, so a
     # new sequence class or head count (1 vs 16) reuses the compiled kernel
     @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
-    def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
+    def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC,
                          stride_qz, stride_qh, stride_qm,
                          stride_kz, stride_kh, stride_kn,
                          stride_vz, stride_vh, stride_vn,
@@ -299,7 +312,7 @@ if HAVE_TRITON:
                          stride_dvz, stride_dvh, stride_dvn,
                          n_heads, n_q, n_k, causal_off, qk_scale, sm_scale, SEQ_CLASS,
                          IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_DQ: tl.constexpr):
         pid_zh = tl.program_id(0)
         pid_n = tl.program_id(1)  # causal: early key tiles are seen by the most queries: first
         off_z = (pid_zh // n_heads).to(tl.int64)
@@ -308,6 +321,7 @@ if HAVE_TRITON:
         do_base = DO + off_z * stride_doz + off_h * stride_doh
         lse_base = LSE + pid_zh.to(tl.int64) * n_q
         delta_base = DELTA + pid_zh.to(tl.int64) * n_q
+        dq_base = DQ_ACC + pid_zh.to(tl.int64) * n_q * HEAD_DIM  # contiguous (Z*H, N_q, d) fp32
 
         start_n = pid_n * BLOCK_N
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -332,19 +346,38 @@ if HAVE_TRITON:
             lo = 0
             full_lo = 0
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
+                                 dq_base, HEAD_DIM, sm_scale,
                                  offs_n, offs_m0, offs_d, lo, full_lo, n_q, causal_off, qk_scale,
-                                 True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D)
+                                 True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
+                                 dq_base, HEAD_DIM, sm_scale,
                                  offs_n, offs_m0, offs_d, full_lo, m_full, n_q, causal_off, qk_scale,
-                                 False, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D)
+                                 False, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
+                                 dq_base, HEAD_DIM, sm_scale,
                                  offs_n, offs_m0, offs_d, tl.maximum(full_lo, m_full), m_pad, n_q, causal_off,
-                                 qk_scale, True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D)
+                                 qk_scale, True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ)
         dk = dk * sm_scale
         _store_rows(DK + off_z * stride_dkz + off_h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
                     dk.to(DK.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
         _store_rows(DV + off_z * stride_dvz + off_h * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
                     dv.to(DV.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
+
+    @triton.jit
+    def _bwd_delta_kernel(O, DO, DELTA, stride_oz, stride_oh, stride_om, stride_doz, stride_doh, stride_dom,
+                          n_heads, n_q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+        """delta_i = rowsum(dO_i * O_i), for the atomic-dQ backward (the two-pass dQ kernel computes it itself)."""
+        pid_zh = tl.program_id(0)
+        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        off_z = (pid_zh // n_heads).to(tl.int64)
+        off_h = (pid_zh % n_heads).to(tl.int64)
+        o = _load_rows(O + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+                       offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+        do = _load_rows(DO + off_z * stride_doz + off_h * stride_doh + offs_m[:, None] * stride_dom
+                        + offs_d[None, :], offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        tl.store(DELTA + pid_zh.to(tl.int64) * n_q + offs_m, delta, mask=offs_m < n_q)
 
     # --------------------------------------------------------------- autotuning
     def _cfg(bm, bn, warps, stages):
@@ -385,9 +418,9 @@ if HAVE_TRITON:
         """Short timings for the autotuner: a first call over all configs stays within seconds."""
         return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
-    def _autotune(configs, kernel):
+    def _autotune(configs, kernel, reset_to_zero=None):
         kw = dict(key=["SEQ_CLASS", "IS_CAUSAL", "HEAD_DIM", "BLOCK_D"],
-                  prune_configs_by={"early_config_prune": _prune})
+                  prune_configs_by={"early_config_prune": _prune}, reset_to_zero=reset_to_zero)
         try:
             return triton.autotune(configs, do_bench=_tune_bench, **kw)(kernel)
         except TypeError:  # a Triton without the do_bench argument
@@ -396,6 +429,8 @@ if HAVE_TRITON:
     _fwd_tuned = _autotune(_FWD_CONFIGS, _fwd_kernel)
     _dq_tuned = _autotune(_DQ_CONFIGS, _bwd_dq_kernel)
     _dkdv_tuned = _autotune(_DKDV_CONFIGS, _bwd_dkdv_kernel)
+    # its own tuner (own cache): atomics make every timed trial add into dQ, so the buffer is re-zeroed
+    _dkdv_atomic_tuned = _autotune(_DKDV_CONFIGS, _bwd_dkdv_kernel, reset_to_zero=["DQ_ACC"])
 
 
 def tuned_configs() -> dict[tuple, tuple[int, int, int, int]]:
@@ -437,30 +472,31 @@ _CHOSEN: dict[tuple, tuple[int, int, int, int]] = {}  # autotuner's pick per key
 
 
 def _launch(name: str, tuned, raw, zh: int, n_rows: int, args: tuple,
-            is_causal: bool, d: int, block_d: int, seq_class: int, dtype) -> None:
+            is_causal: bool, d: int, block_d: int, seq_class: int, dtype, **constexprs) -> None:
     """Launch with pinned tiles, the interpreter's tiles, or the autotuner's choice for this key.
 
     After the first call for a key the raw kernel is launched with the chosen config: that skips
     the autotuner's per-call bookkeeping, which matters at short sequences (launch-bound).
     """
-    if _PINNED and name in _PINNED:
-        cfg = _PINNED[name]
+    kind = "dkdv" if name.startswith("dkdv") else name
+    if _PINNED and kind in _PINNED:
+        cfg = _PINNED[kind]
     elif INTERPRET:
-        cfg = (*_INTERPRET_TILES[name], 4, 1)
+        cfg = (*_INTERPRET_TILES[kind], 4, 1)
     else:
         key = (name, seq_class, is_causal, d, dtype)
         cfg = _CHOSEN.get(key)
         if cfg is None:
             def grid(meta):
-                return (zh, _cdiv(n_rows, meta["BLOCK_M"] if name != "dkdv" else meta["BLOCK_N"]))
-            tuned[grid](*args, IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d)
+                return (zh, _cdiv(n_rows, meta["BLOCK_M"] if kind != "dkdv" else meta["BLOCK_N"]))
+            tuned[grid](*args, IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d, **constexprs)
             best = tuned.best_config
             _CHOSEN[key] = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
             return
     bm, bn, warps, stages = cfg
-    grid = (zh, _cdiv(n_rows, bn if name == "dkdv" else bm))
+    grid = (zh, _cdiv(n_rows, bn if kind == "dkdv" else bm))
     raw.run(*args, grid=grid, warmup=False, IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **constexprs)
 
 
 def _to_4d(x: Tensor) -> Tensor:
@@ -512,8 +548,12 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Te
 
 
 def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-                   is_causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward on 4-D inputs: dq, dk, dv shaped and strided like q, k, v."""
+                   is_causal: bool, atomic_dq: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward on 4-D inputs: dq, dk, dv shaped and strided like q, k, v.
+
+    atomic_dq=False: two passes (dQ kernel, then dK/dV kernel), 7 tile matmuls, no atomics.
+    atomic_dq=True: one dK/dV pass that also adds each key tile's dS K into an fp32 dQ buffer with
+    atomics (5 matmuls; a small kernel computes rowsum(dO * O) first); dQ is cast from the buffer."""
     _check_runtime(q)
     if do.stride(-1) != 1:
         do = do.contiguous()
@@ -527,18 +567,43 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     seq_class = _seq_class(max(n_q, n_k), z * h)
     sq, sk, sv, so, sdo = q.stride(), k.stride(), v.stride(), o.stride(), do.stride()
     sdq, sdk, sdv = dq.stride(), dk.stride(), dv.stride()
+    if atomic_dq:
+        return _bwd_atomic_dq(do, q, k, v, o, lse, dq, dk, dv, delta, is_causal, seq_class)
     dq_args = (q, k, v, o, do, dq, lse, delta,
                sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
                sdo[0], sdo[1], sdo[2], sdq[0], sdq[1], sdq[2],
                h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
     _launch("dq", _dq_tuned if not INTERPRET else None, _bwd_dq_kernel, z * h, n_q, dq_args,
             is_causal, d, block_d, seq_class, q.dtype)
-    dkdv_args = (q, k, v, do, dk, dv, lse, delta,
+    dkdv_args = (q, k, v, do, dk, dv, lse, delta, delta,  # DQ_ACC unused without atomics
                  sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
                  sdk[0], sdk[1], sdk[2], sdv[0], sdv[1], sdv[2],
                  h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
     _launch("dkdv", _dkdv_tuned if not INTERPRET else None, _bwd_dkdv_kernel, z * h, n_k, dkdv_args,
-            is_causal, d, block_d, seq_class, q.dtype)
+            is_causal, d, block_d, seq_class, q.dtype, ATOMIC_DQ=False)
+    return dq, dk, dv
+
+
+def _bwd_atomic_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dq: Tensor,
+                   dk: Tensor, dv: Tensor, delta: Tensor, is_causal: bool,
+                   seq_class: int) -> tuple[Tensor, Tensor, Tensor]:
+    z, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    block_d = _BLOCK_D[d]
+    so, sdo = o.stride(), do.stride()
+    _bwd_delta_kernel[(z * h, _cdiv(n_q, 64))](o, do, delta, so[0], so[1], so[2], sdo[0], sdo[1], sdo[2],
+                                              h, n_q, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=64)
+    dq_acc = torch.zeros((z, h, n_q, d), device=q.device, dtype=torch.float32)
+    sm_scale = 1.0 / math.sqrt(d)
+    sq, sk, sv = q.stride(), k.stride(), v.stride()
+    sdk, sdv = dk.stride(), dv.stride()
+    args = (q, k, v, do, dk, dv, lse, delta, dq_acc,
+            sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
+            sdk[0], sdk[1], sdk[2], sdv[0], sdv[1], sdv[2],
+            h, n_q, n_k, n_k - n_q if is_causal else 0, sm_scale * LOG2E, sm_scale, seq_class)
+    _launch("dkdv_atomic", _dkdv_atomic_tuned if not INTERPRET else None, _bwd_dkdv_kernel, z * h, n_k, args,
+            is_causal, d, block_d, seq_class, q.dtype, ATOMIC_DQ=True)
+    dq.copy_(dq_acc)
     return dq, dk, dv
 
 
@@ -556,13 +621,13 @@ def _(q, k, v, is_causal):
 
 @torch.library.custom_op("scalelab::flash_attn_bwd", mutates_args=())
 def flash_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-                   is_causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+                   is_causal: bool, atomic_dq: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """FlashAttention backward as one opaque op: (dq, dk, dv)."""
-    return flash_bwd_impl(do, q, k, v, o, lse, is_causal)
+    return flash_bwd_impl(do, q, k, v, o, lse, is_causal, atomic_dq)
 
 
 @flash_attn_bwd.register_fake
-def _(do, q, k, v, o, lse, is_causal):
+def _(do, q, k, v, o, lse, is_causal, atomic_dq=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -594,6 +659,7 @@ class FlashAttentionTriton(torch.autograd.Function):
 
     q (..., N_q, d), k and v (..., N_k, d), same leading dims; fp32 (tf32 dots), fp16, bf16;
     d in 16, 32, 64, 96, 128. Saves q, k, v, out and one logsumexp (..., N_q) for backward.
+    Backward: two passes, no atomics (`FlashAttentionTritonAtomicDQ`: one pass, atomic fp32 dQ).
     """
 
     @staticmethod
@@ -619,25 +685,37 @@ class FlashAttentionTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do: Tensor):
-        q4, k4, v4, o4, lse4 = ctx.saved_tensors
-        qs, ks, vs = ctx.shapes
-        if do.dtype != q4.dtype:
-            do = do.to(q4.dtype)
-        do4 = _to_4d(do)
-        if _compiling():
-            dq, dk, dv = torch.ops.scalelab.flash_attn_bwd(do4, q4, k4, v4, o4, lse4, ctx.is_causal)
-        else:
-            dq, dk, dv = flash_bwd_impl(do4, q4, k4, v4, o4, lse4, ctx.is_causal)
-        if len(qs) != 4:
-            dq, dk, dv = dq.reshape(qs), dk.reshape(ks), dv.reshape(vs)
-        tq, tk, tv = ctx.in_dtypes
-        if tq != dq.dtype:
-            dq = dq.to(tq)
-        if tk != dk.dtype:
-            dk = dk.to(tk)
-        if tv != dv.dtype:
-            dv = dv.to(tv)
-        return dq, dk, dv, None
+        return _backward(ctx, do, atomic_dq=False)
+
+
+class FlashAttentionTritonAtomicDQ(FlashAttentionTriton):
+    """`FlashAttentionTriton` with the one-pass backward: dK/dV plus atomically accumulated fp32 dQ."""
+
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        return _backward(ctx, do, atomic_dq=True)
+
+
+def _backward(ctx, do: Tensor, atomic_dq: bool):
+    q4, k4, v4, o4, lse4 = ctx.saved_tensors
+    qs, ks, vs = ctx.shapes
+    if do.dtype != q4.dtype:
+        do = do.to(q4.dtype)
+    do4 = _to_4d(do)
+    if _compiling():
+        dq, dk, dv = torch.ops.scalelab.flash_attn_bwd(do4, q4, k4, v4, o4, lse4, ctx.is_causal, atomic_dq)
+    else:
+        dq, dk, dv = flash_bwd_impl(do4, q4, k4, v4, o4, lse4, ctx.is_causal, atomic_dq)
+    if len(qs) != 4:
+        dq, dk, dv = dq.reshape(qs), dk.reshape(ks), dv.reshape(vs)
+    tq, tk, tv = ctx.in_dtypes
+    if tq != dq.dtype:
+        dq = dq.to(tq)
+    if tk != dk.dtype:
+        dk = dk.to(tk)
+    if tv != dv.dtype:
+        dv = dv.to(tv)
+    return dq, dk, dv, None
 
 
 def flash_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> tuple[Tensor, Tensor]:
