@@ -363,7 +363,7 @@ def _summary(run: Run, status: str, step: int, first_loss, last_loss, val_loss, 
     peaks = _gather_floats(peak_memory_gib(run.device), run.mesh)
     comm = [h for h in history[1:] if "comm_ms" in h] or [h for h in history if "comm_ms" in h]
     out = {
-        "status": status, "error": None, "steps": step,
+        "status": status, "error": None, "steps": step, "pid": os.getpid(),  # rank 0's process
         "model": run.model_cfg.name, "params": run.model_cfg.num_params(),
         "parallelism": run.strategy.name, "mesh": run.mesh.describe(), "world_size": run.mesh.world_size,
         "device": str(torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else "cpu"),

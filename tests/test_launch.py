@@ -82,3 +82,22 @@ def test_port_in_use_is_a_config_error():
         with pytest.raises(ConfigError, match="launcher.port"):
             choose_port(OmegaConf.create({"launcher": {"port": port}}))
     assert choose_port(OmegaConf.create({})) > 0
+
+
+def test_sweep_points_run_in_their_own_processes(tmp_path):
+    """Every point of a local sweep, one-rank points too, runs in a fresh worker process: a point left in
+    the sweep's own process would keep its CUDA memory for the next one (the next job's rank 0 then runs
+    out of memory on that GPU while its peer waits in a collective)."""
+    cmd = [sys.executable, "train.py", "-m", "mesh=dp1,dp2", "parallelism=ddp_bucketed", "mesh.device=cpu",
+           "mesh.timeout_s=60", "model=tiny",
+           "data=synthetic", "train.max_steps=2", "train.batch_size=4", "train.eval_every=0", "train.eval_batches=1",
+           "logger=none", f"paths.output_root={tmp_path}", f"hydra.sweep.dir={tmp_path}/sweep"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    summaries = [json.loads(p.read_text()) for p in sorted((tmp_path / "sweep").rglob("summary.json"))]
+    assert [s["status"] for s in summaries] == ["ok", "ok"], summaries
+    pids = {s["pid"] for s in summaries}
+    assert len(pids) == 2 and proc.pid not in pids, (pids, proc.pid)
+    assert (tmp_path / "sweep" / "report.md").is_file()
