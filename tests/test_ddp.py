@@ -107,3 +107,19 @@ def _bf16_comm(rank, world):
 
 def test_ddp_bucketed_bf16_comm_2ranks():
     run_ranks(_bf16_comm, world_size=2)
+
+
+def _broadcast_in_small_chunks(rank, world):
+    from core.distributed.comm import broadcast_module
+
+    ref = make_toy("tied", seed=0)
+    local = make_toy("tied", seed=rank)
+    local.register_buffer("steps", torch.tensor([rank, rank + 1], dtype=torch.int64))  # a second dtype
+    # 64-byte chunks: small tensors flush mid-way, larger ones go in place; every path is taken
+    broadcast_module(local, None, chunk_bytes=64)
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), local.parameters()))
+    assert local.steps.tolist() == [0, 1]
+
+
+def test_broadcast_module_chunks_match_rank0():
+    run_ranks(_broadcast_in_small_chunks, world_size=2)

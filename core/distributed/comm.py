@@ -63,7 +63,7 @@ def broadcast_module(module: torch.nn.Module, pg: Optional[dist.ProcessGroup],
             t.copy_(flat[off:off + t.numel()].view_as(t))
             off += t.numel()
 
-    pending: dict[tuple, list[torch.Tensor]] = {}
+    pending: dict[tuple, tuple[list[torch.Tensor], int]] = {}  # (dtype, device) -> (tensors, their bytes)
     with torch.no_grad():
         for t in tensors:
             nbytes = t.numel() * t.element_size()
@@ -71,12 +71,13 @@ def broadcast_module(module: torch.nn.Module, pg: Optional[dist.ProcessGroup],
                 dist.broadcast(t.detach(), src=src, group=pg)
                 continue
             key = (t.dtype, t.device)
-            group = pending.setdefault(key, [])
-            if group and sum(x.numel() for x in group) * t.element_size() + nbytes > chunk_bytes:
+            group, held = pending.get(key, ([], 0))
+            if group and held + nbytes > chunk_bytes:
                 flush(group)
-                group.clear()
+                group, held = [], 0
             group.append(t)
-        for group in pending.values():
+            pending[key] = (group, held + nbytes)
+        for group, _ in pending.values():
             flush(group)
 
 

@@ -566,44 +566,29 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     sm_scale = 1.0 / math.sqrt(d)
     seq_class = _seq_class(max(n_q, n_k), z * h)
     sq, sk, sv, so, sdo = q.stride(), k.stride(), v.stride(), o.stride(), do.stride()
-    sdq, sdk, sdv = dq.stride(), dk.stride(), dv.stride()
-    if atomic_dq:
-        return _bwd_atomic_dq(do, q, k, v, o, lse, dq, dk, dv, delta, is_causal, seq_class)
-    dq_args = (q, k, v, o, do, dq, lse, delta,
-               sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
-               sdo[0], sdo[1], sdo[2], sdq[0], sdq[1], sdq[2],
-               h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
-    _launch("dq", _dq_tuned if not INTERPRET else None, _bwd_dq_kernel, z * h, n_q, dq_args,
-            is_causal, d, block_d, seq_class, q.dtype)
-    dkdv_args = (q, k, v, do, dk, dv, lse, delta, delta,  # DQ_ACC unused without atomics
+    sdk, sdv = dk.stride(), dv.stride()
+    if atomic_dq:  # delta first; the dK/dV pass then adds dS K into an fp32 buffer
+        _bwd_delta_kernel[(z * h, _cdiv(n_q, 64))](o, do, delta, so[0], so[1], so[2], sdo[0], sdo[1], sdo[2],
+                                                  h, n_q, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=64)
+        dq_acc = torch.zeros((z, h, n_q, d), device=q.device, dtype=torch.float32)
+    else:  # the dQ pass (it also computes and stores delta)
+        sdq = dq.stride()
+        dq_args = (q, k, v, o, do, dq, lse, delta,
+                   sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
+                   sdo[0], sdo[1], sdo[2], sdq[0], sdq[1], sdq[2],
+                   h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
+        _launch("dq", _dq_tuned if not INTERPRET else None, _bwd_dq_kernel, z * h, n_q, dq_args,
+                is_causal, d, block_d, seq_class, q.dtype)
+        dq_acc = delta  # DQ_ACC is not touched without atomics
+    dkdv_args = (q, k, v, do, dk, dv, lse, delta, dq_acc,
                  sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
                  sdk[0], sdk[1], sdk[2], sdv[0], sdv[1], sdv[2],
                  h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
-    _launch("dkdv", _dkdv_tuned if not INTERPRET else None, _bwd_dkdv_kernel, z * h, n_k, dkdv_args,
-            is_causal, d, block_d, seq_class, q.dtype, ATOMIC_DQ=False)
-    return dq, dk, dv
-
-
-def _bwd_atomic_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dq: Tensor,
-                   dk: Tensor, dv: Tensor, delta: Tensor, is_causal: bool,
-                   seq_class: int) -> tuple[Tensor, Tensor, Tensor]:
-    z, h, n_q, d = q.shape
-    n_k = k.shape[2]
-    block_d = _BLOCK_D[d]
-    so, sdo = o.stride(), do.stride()
-    _bwd_delta_kernel[(z * h, _cdiv(n_q, 64))](o, do, delta, so[0], so[1], so[2], sdo[0], sdo[1], sdo[2],
-                                              h, n_q, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=64)
-    dq_acc = torch.zeros((z, h, n_q, d), device=q.device, dtype=torch.float32)
-    sm_scale = 1.0 / math.sqrt(d)
-    sq, sk, sv = q.stride(), k.stride(), v.stride()
-    sdk, sdv = dk.stride(), dv.stride()
-    args = (q, k, v, do, dk, dv, lse, delta, dq_acc,
-            sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
-            sdk[0], sdk[1], sdk[2], sdv[0], sdv[1], sdv[2],
-            h, n_q, n_k, n_k - n_q if is_causal else 0, sm_scale * LOG2E, sm_scale, seq_class)
-    _launch("dkdv_atomic", _dkdv_atomic_tuned if not INTERPRET else None, _bwd_dkdv_kernel, z * h, n_k, args,
-            is_causal, d, block_d, seq_class, q.dtype, ATOMIC_DQ=True)
-    dq.copy_(dq_acc)
+    name, tuned = ("dkdv_atomic", _dkdv_atomic_tuned) if atomic_dq else ("dkdv", _dkdv_tuned)
+    _launch(name, tuned if not INTERPRET else None, _bwd_dkdv_kernel, z * h, n_k, dkdv_args,
+            is_causal, d, block_d, seq_class, q.dtype, ATOMIC_DQ=atomic_dq)
+    if atomic_dq:
+        dq.copy_(dq_acc)
     return dq, dk, dv
 
 
