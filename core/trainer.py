@@ -12,7 +12,9 @@ import math
 import os
 import signal
 import statistics
+import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,10 +194,10 @@ def instantiate_mesh(cfg: DictConfig) -> ParallelMesh:
     return instantiate(cfg.mesh)
 
 
-def build(cfg: DictConfig) -> Run:
-    """Assemble one rank's run from the config."""
+def build(cfg: DictConfig, mesh: ParallelMesh | None = None) -> Run:
+    """Assemble one rank's run from the config (on `mesh`, initialised, or the config's own)."""
     model_cfg: ModelConfig = instantiate(cfg.model)
-    mesh = instantiate_mesh(cfg).init()
+    mesh = (mesh or instantiate_mesh(cfg)).init()
     # under torchrun every rank composed its own config: all must share rank 0's directories
     cfg.paths.run_dir, cfg.checkpoint.dir = mesh.broadcast_object((cfg.paths.run_dir, cfg.checkpoint.dir))
     run_dir = Path(cfg.paths.run_dir)
@@ -254,19 +256,29 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     global _STOP_REQUESTED
     _STOP_REQUESTED = False
     torch.autograd.set_detect_anomaly(bool(cfg.detect_anomaly))
-    run = build(cfg)
+    mesh = instantiate_mesh(cfg).init()
     try:
-        if cfg.benchmark.enabled:
-            from core.benchmark import run_benchmark
-
-            return run_benchmark(run)
-        if cfg.profile.enabled:
-            from core.profiling import run_profile
-
-            return run_profile(run)
-        return _train_loop(run)
+        return _run_mode(build(cfg, mesh))
     finally:
-        run.mesh.destroy()
+        # The run (its strategy, hooks, optimizer) holds the process groups. mesh.destroy() can free them
+        # only once nothing does: with an exception on its way out, the frames it passed through still
+        # hold the run, so drop their locals (the traceback keeps its lines).
+        exc = sys.exc_info()[1]
+        if exc is not None:
+            traceback.clear_frames(exc.__traceback__)
+        mesh.destroy()
+
+
+def _run_mode(run: Run) -> dict[str, Any]:
+    if run.cfg.benchmark.enabled:
+        from core.benchmark import run_benchmark
+
+        return run_benchmark(run)
+    if run.cfg.profile.enabled:
+        from core.profiling import run_profile
+
+        return run_profile(run)
+    return _train_loop(run)
 
 
 def _train_loop(run: Run) -> dict[str, Any]:

@@ -24,15 +24,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn, args, timeout_s: float, err_q) -> None:
+def _worker(rank: int, world_size: int, port: int, fn, args, timeout_s: float, err_q, join_group: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        if join_group:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
         fn(rank, world_size, *args)
-        dist.barrier()
+        if join_group:
+            dist.barrier()
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         err_q.put((rank, traceback.format_exc()))
         raise
@@ -41,12 +43,17 @@ def _worker(rank: int, world_size: int, port: int, fn, args, timeout_s: float, e
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int = 2, args: tuple = (), timeout_s: float = 60.0) -> None:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; raise with the first rank's traceback."""
+def run_ranks(fn, world_size: int = 2, args: tuple = (), timeout_s: float = 60.0, join_group: bool = True) -> None:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; raise with the first rank's traceback.
+
+    With `join_group=False` the ranks get only the environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT) and
+    `fn` joins and leaves the process group itself, as `core.trainer.train` does.
+    """
     ctx = mp.get_context("spawn")
     err_q = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, timeout_s, err_q), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, timeout_s, err_q, join_group),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

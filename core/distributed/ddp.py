@@ -17,6 +17,7 @@ several copies them into one flat buffer and afterwards leaves each `.grad` as a
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterator, Optional
 
 import torch
@@ -169,7 +170,10 @@ class BucketedDDP(DataParallel):
         self._launched: list[_Bucket] = []
         self._next_bucket = 0  # buckets launch in index order; this is the next one to go
         self._build_buckets(list(reversed(self.params)))
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        # A parameter's hooks live in C++ (its autograd metadata), where Python's collector cannot see them:
+        # a hook holding this wrapper would keep wrapper, model and process group alive forever.
+        on_grad_ready = weakref.WeakMethod(self._on_grad_ready)
+        self._hooks = [p.register_post_accumulate_grad_hook(lambda p: on_grad_ready()(p)) for p in self.params]
 
     def _build_buckets(self, order: list[nn.Parameter]) -> None:
         self.buckets: list[_Bucket] = []

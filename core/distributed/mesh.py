@@ -9,7 +9,10 @@ recomputes them.
 from __future__ import annotations
 
 import datetime
+import functools
+import gc
 import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,6 +28,35 @@ _RANK_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 def dist_env_present() -> bool:
     """True when this process was started by torchrun, our elastic launcher or SLURM+submitit."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _import_default_group_pinning_modules() -> None:
+    """Import, before the default group exists, the torch modules whose signatures say `group=group.WORLD`.
+
+    Those defaults are evaluated at import. Imported later (torch._dynamo imports them, and so does the
+    first `normal_` on a meta tensor) they hold the default group for the life of the process, so it
+    outlives `destroy_process_group()`, keeping its worker threads until interpreter shutdown (see
+    `ParallelMesh.destroy`). Imported first, their default is None, which means the same thing.
+    """
+    import torch.distributed.nn.functional  # noqa: F401
+    import torch.distributed.optim.zero_redundancy_optimizer  # noqa: F401
+
+
+def _clear_dtensor_caches() -> None:
+    """Empty DTensor's memo caches, whose keys and values (sharding specs, mesh topologies, redistribute
+    plans) hold DeviceMeshes and through them process groups. Which caches exist differs between torch
+    releases, so every lru_cache defined under torch.distributed is cleared; they only memoise."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    for obj in gc.get_objects():
+        if isinstance(obj, functools._lru_cache_wrapper) and \
+                str(getattr(obj, "__module__", "")).startswith("torch.distributed"):
+            obj.cache_clear()
+    for owner, name in ((torch._C, "_clear_DTensor_sharding_propagator_cache"),  # the C++ fast path's cache
+                        (sys.modules.get("torch.distributed.tensor._redistribute"), "clear_redistribute_planner_cache")):
+        clear = getattr(owner, name, None)
+        if clear is not None:
+            clear()
 
 
 @dataclass
@@ -114,6 +146,7 @@ class ParallelMesh:
             if dev == "cuda":
                 torch.cuda.set_device(self._local_rank)
             if not dist.is_initialized():
+                _import_default_group_pinning_modules()
                 backend = "nccl" if dev == "cuda" else "gloo"
                 kw = {"device_id": torch.device("cuda", self._local_rank)} if dev == "cuda" else {}
                 dist.init_process_group(backend, timeout=datetime.timedelta(seconds=self.timeout_s), **kw)
@@ -130,9 +163,20 @@ class ParallelMesh:
         return self
 
     def destroy(self) -> None:
+        """Leave the process group and free its backends while the interpreter is fully alive.
+
+        A backend's worker threads (gloo's `pt_gloo_runloop`) end only when the last reference to its
+        group goes; the DeviceMesh holds one. Left to interpreter shutdown, a worker still releasing a
+        finished collective's tensors must take the GIL from a finalizing interpreter, and the process
+        aborts ("terminate called without an active exception", pytorch/pytorch#190489). Callers drop
+        their own references to groups (strategies, the run) before calling this.
+        """
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        self._device_mesh, self._flat = None, {}
         self._initialized = False
+        _clear_dtensor_caches()
+        gc.collect()  # groups held only by reference cycles (hooks -> wrapper -> group) go now, threads joined
 
     # ---- per-rank views --------------------------------------------------------
     @property
