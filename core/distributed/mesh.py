@@ -49,8 +49,8 @@ def _clear_dtensor_caches() -> None:
     if "torch.distributed.tensor" not in sys.modules:
         return
     for obj in gc.get_objects():
-        if isinstance(obj, functools._lru_cache_wrapper) and \
-                str(getattr(obj, "__module__", "")).startswith("torch.distributed"):
+        # type(), not isinstance(): some torch objects warn on any attribute access, __class__ included
+        if type(obj) is functools._lru_cache_wrapper and str(obj.__module__).startswith("torch.distributed"):
             obj.cache_clear()
     for owner, name in ((torch._C, "_clear_DTensor_sharding_propagator_cache"),  # the C++ fast path's cache
                         (sys.modules.get("torch.distributed.tensor._redistribute"), "clear_redistribute_planner_cache")):
@@ -171,12 +171,14 @@ class ParallelMesh:
         aborts ("terminate called without an active exception", pytorch/pytorch#190489). Callers drop
         their own references to groups (strategies, the run) before calling this.
         """
-        if dist.is_available() and dist.is_initialized():
+        had_group = dist.is_available() and dist.is_initialized()
+        if had_group:
             dist.destroy_process_group()
         self._device_mesh, self._flat = None, {}
         self._initialized = False
-        _clear_dtensor_caches()
-        gc.collect()  # groups held only by reference cycles (hooks -> wrapper -> group) go now, threads joined
+        if had_group:
+            _clear_dtensor_caches()
+            gc.collect()  # groups held only by reference cycles (hooks -> wrapper -> group) go now, threads joined
 
     # ---- per-rank views --------------------------------------------------------
     @property
