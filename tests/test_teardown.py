@@ -3,7 +3,7 @@
 Under torchrun or SLURM a rank is a plain Python process that exits through interpreter shutdown.
 A gloo worker thread still alive then, releasing a finished collective's tensors, needs the GIL
 from a finalizing interpreter and the process aborts (SIGABRT, "terminate called without an
-active exception"; pytorch/pytorch#190489; it failed CI's torchrun test about one run in eight).
+active exception"; pytorch/pytorch#190489; 6 of 53 torchrun runs, and CI's torchrun test).
 So every strategy's run must free its groups, and with them those threads, before `train()` returns.
 """
 import os
