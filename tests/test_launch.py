@@ -14,7 +14,8 @@ from omegaconf import OmegaConf
 ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = ["ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed", "zero1", "zero1_rs", "fsdp",
               "torch_ddp", "torch_fsdp2"]
-SHARDED = {"zero1", "fsdp", "torch_fsdp2"}  # also checked for exact resume (dcp checkpoints)
+# also checked for exact resume: the strategies with dcp (sharded) checkpoints and one with a full-state one
+RESUMED = {"zero1", "fsdp", "torch_fsdp2", "ddp_bucketed"}
 
 
 def _train(tmp: Path, *overrides: str, timeout: int = 240) -> dict:
@@ -31,12 +32,12 @@ def _train(tmp: Path, *overrides: str, timeout: int = 240) -> dict:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_train_py_dp2_cpu(strategy, tmp_path):
-    extra = ["checkpoint.every=2"] if strategy in SHARDED else []
+    extra = ["checkpoint.every=2"] if strategy in RESUMED else []
     s = _train(tmp_path / "a", f"parallelism={strategy}", *extra)
     assert s["world_size"] == 2 and s["steps"] == 4 and math.isfinite(s["final_loss"])
     # same seed, same data: every strategy starts from the same loss as single-process training
     assert abs(s["first_loss"] - 5.570815086364746) < 1e-4, s["first_loss"]
-    if strategy in SHARDED:  # resume from step 2 under the same mesh: continues exactly
+    if strategy in RESUMED:  # resume from step 2 under the same mesh: continues exactly
         ckpts = sorted((tmp_path / "a" / "run" / "checkpoints").glob("step_*"))
         step2 = next(c for c in ckpts if c.name.endswith("2"))
         r = _train(tmp_path / "b", f"parallelism={strategy}", f"resume={step2}")
