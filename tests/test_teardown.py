@@ -14,6 +14,7 @@ import pytest
 from tests.dist_utils import run_ranks
 from tests.utils import CONF, compose_cfg
 
+pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc to list threads")
 STRATEGIES = sorted(p.stem for p in (CONF / "parallelism").glob("*.yaml") if p.stem != "none")
 
 
@@ -47,11 +48,9 @@ def _train_each_strategy(rank: int, world: int, root: str, fail_after_setup: boo
         assert not left, f"parallelism={strategy}: {len(left)} backend threads outlived train(): {left}"
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc to list threads")
 def test_train_frees_process_group_threads_for_every_strategy(tmp_path):
     run_ranks(_train_each_strategy, 2, args=(str(tmp_path), False), timeout_s=60, join_group=False)
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc to list threads")
 def test_failed_run_frees_process_group_threads(tmp_path):
     run_ranks(_train_each_strategy, 2, args=(str(tmp_path), True), timeout_s=60, join_group=False)
