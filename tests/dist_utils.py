@@ -8,7 +8,6 @@ starting a group costs seconds.
 """
 from __future__ import annotations
 
-import datetime
 import os
 import socket
 import traceback
@@ -16,6 +15,8 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from core.distributed.mesh import destroy_process_groups, init_process_group
 
 
 def free_port() -> int:
@@ -30,17 +31,32 @@ def _worker(rank: int, world_size: int, port: int, fn, args, timeout_s: float, e
     torch.set_num_threads(1)
     try:
         if join_group:
-            dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+            init_process_group("gloo", timeout_s, rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
         if join_group:
             dist.barrier()
+        # spawned workers exit through interpreter shutdown, where a live gloo thread can abort the process
+        destroy_process_groups()
+        left = backend_threads()
+        assert not left, f"{len(left)} process-group threads outlived the group: something still holds it: {left}"
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         err_q.put((rank, traceback.format_exc()))
         raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_groups()
+
+
+def backend_threads() -> list[str]:
+    """Names of this process's gloo threads (Linux; empty elsewhere): they live as long as their group."""
+    names = []
+    if os.path.isdir("/proc/self/task"):
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    names.append(f.read().strip())
+            except OSError:  # the thread ended while we looked
+                pass
+    return [n for n in names if n.startswith(("pt_gloo", "gloo"))]
 
 
 def run_ranks(fn, world_size: int = 2, args: tuple = (), timeout_s: float = 60.0, join_group: bool = True) -> None:

@@ -6,26 +6,15 @@ from a finalizing interpreter and the process aborts (SIGABRT, "terminate called
 active exception"; pytorch/pytorch#190489; 6 of 53 torchrun runs, and CI's torchrun test).
 So every strategy's run must free its groups, and with them those threads, before `train()` returns.
 """
-import os
 from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import run_ranks
+from tests.dist_utils import backend_threads, run_ranks
 from tests.utils import CONF, compose_cfg
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc to list threads")
 STRATEGIES = sorted(p.stem for p in (CONF / "parallelism").glob("*.yaml") if p.stem != "none")
-
-
-def _backend_threads() -> list[str]:
-    names = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            names.append(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
-        except OSError:  # the thread ended while we looked
-            pass
-    return [n for n in names if n.startswith(("pt_gloo", "gloo"))]
 
 
 def _train_each_strategy(rank: int, world: int, root: str, fail_after_setup: bool) -> None:
@@ -44,7 +33,7 @@ def _train_each_strategy(rank: int, world: int, root: str, fail_after_setup: boo
             assert fail_after_setup and "no_such_checkpoint" in str(e), e
         else:
             assert not fail_after_setup and summary["status"] == "ok", summary
-        left = _backend_threads()
+        left = backend_threads()
         assert not left, f"parallelism={strategy}: {len(left)} backend threads outlived train(): {left}"
 
 

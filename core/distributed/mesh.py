@@ -30,16 +30,34 @@ def dist_env_present() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _import_default_group_pinning_modules() -> None:
-    """Import, before the default group exists, the torch modules whose signatures say `group=group.WORLD`.
+def init_process_group(backend: str, timeout_s: float, **kwargs) -> None:
+    """`dist.init_process_group` for a process that will leave through `destroy_process_groups()`.
 
-    Those defaults are evaluated at import. Imported later (torch._dynamo imports them, and so does the
-    first `normal_` on a meta tensor) they hold the default group for the life of the process, so it
-    outlives `destroy_process_group()`, keeping its worker threads until interpreter shutdown (see
-    `ParallelMesh.destroy`). Imported first, their default is None, which means the same thing.
+    First imports the torch modules whose signatures say `group=group.WORLD`: those defaults are evaluated
+    at import, and imported after the group exists (torch._dynamo imports them, and so does the first
+    `normal_` on a meta tensor) they would hold the default group for the life of the process. Imported
+    first, their default is None, which means the same thing.
     """
     import torch.distributed.nn.functional  # noqa: F401
     import torch.distributed.optim.zero_redundancy_optimizer  # noqa: F401
+
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+
+def destroy_process_groups() -> None:
+    """Leave every process group and free its backends while the interpreter is fully alive.
+
+    A backend's worker threads (gloo's `pt_gloo_runloop`) end only when the last reference to its group
+    goes. Left to interpreter shutdown, a worker still releasing a finished collective's tensors must take
+    the GIL from a finalizing interpreter, and the process aborts ("terminate called without an active
+    exception", pytorch/pytorch#190489); spawned workers and torchrun/SLURM ranks all go through that
+    shutdown. Callers drop their own references to groups (DeviceMeshes, strategies) before calling this.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.destroy_process_group()
+    _clear_dtensor_caches()
+    gc.collect()  # groups held only by reference cycles (hooks -> wrapper -> group) go now, threads joined
 
 
 def _clear_dtensor_caches() -> None:
@@ -146,10 +164,9 @@ class ParallelMesh:
             if dev == "cuda":
                 torch.cuda.set_device(self._local_rank)
             if not dist.is_initialized():
-                _import_default_group_pinning_modules()
                 backend = "nccl" if dev == "cuda" else "gloo"
                 kw = {"device_id": torch.device("cuda", self._local_rank)} if dev == "cuda" else {}
-                dist.init_process_group(backend, timeout=datetime.timedelta(seconds=self.timeout_s), **kw)
+                init_process_group(backend, self.timeout_s, **kw)
             from torch.distributed.device_mesh import init_device_mesh
 
             shape = tuple(getattr(self, a) for a in _RANK_AXES)
@@ -163,22 +180,10 @@ class ParallelMesh:
         return self
 
     def destroy(self) -> None:
-        """Leave the process group and free its backends while the interpreter is fully alive.
-
-        A backend's worker threads (gloo's `pt_gloo_runloop`) end only when the last reference to its
-        group goes; the DeviceMesh holds one. Left to interpreter shutdown, a worker still releasing a
-        finished collective's tensors must take the GIL from a finalizing interpreter, and the process
-        aborts ("terminate called without an active exception", pytorch/pytorch#190489). Callers drop
-        their own references to groups (strategies, the run) before calling this.
-        """
-        had_group = dist.is_available() and dist.is_initialized()
-        if had_group:
-            dist.destroy_process_group()
+        """Drop this mesh's DeviceMesh, then leave and free the process groups (`destroy_process_groups`)."""
         self._device_mesh, self._flat = None, {}
         self._initialized = False
-        if had_group:
-            _clear_dtensor_caches()
-            gc.collect()  # groups held only by reference cycles (hooks -> wrapper -> group) go now, threads joined
+        destroy_process_groups()
 
     # ---- per-rank views --------------------------------------------------------
     @property
