@@ -7,6 +7,11 @@
         --variant ddp_bucketed:comm_dtype=bfloat16,env.NCCL_MAX_CTAS=8 \
         --variant zero1:overlap_param_gather=false --env NCCL_DEBUG=WARN
 
+Experiment knob (env): `SCALELAB_BENCH_STREAM_PRIORITY=-1` runs the compute on a high-priority CUDA stream,
+so the block scheduler serves compute kernels before the NCCL kernels running beside them.
+`SCALELAB_BENCH_MEMORY_HISTORY=DIR` records every CUDA allocation from model set-up to the end of the first step and writes one snapshot
+per rank to DIR; `python3 experiments/memory_peak.py DIR/*.pickle` lists what is alive at each one's peak.
+
 Variants: `--variant STRATEGY:key=value,...` adds a row running STRATEGY with those constructor options
 over its defaults (values: int, float, true/false, null, or a string); an option `env.KEY=VALUE` sets an
 environment variable for that row's worker processes only. `--env KEY=VALUE` (repeatable) applies to
@@ -69,6 +74,9 @@ def _worker(job: dict) -> dict:
     dev = mesh.device_obj
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
+        priority = os.environ.get("SCALELAB_BENCH_STREAM_PRIORITY")
+        if priority:  # an experiment knob: forward/backward/optimizer on a stream of this priority (-1: high)
+            torch.cuda.set_stream(torch.cuda.Stream(device=dev, priority=int(priority)))
     d, dff, L, h = SIZES[job["model"]]
     cfg = ModelConfig(d_model=d, d_ff=dff, n_layers=L, n_heads=h, vocab_size=10_000, context_length=job["T"])
     if job["strategy"] == "single":
@@ -82,6 +90,9 @@ def _worker(job: dict) -> dict:
     def mem():
         return torch.cuda.max_memory_allocated(dev) / GiB if cuda else float("nan")
 
+    history_dir = os.environ.get("SCALELAB_BENCH_MEMORY_HISTORY") if cuda else None
+    if history_dir:  # every allocation from model set-up to the end of the first step (experiments/memory_peak.py)
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     with torch.device("meta"):
         raw = TransformerLM(cfg)
     if cuda:
@@ -122,6 +133,11 @@ def _worker(job: dict) -> dict:
         timer.enabled = False
     for i in range(job["warmup"]):
         step(record=i == 0)
+        if i == 0 and history_dir:
+            Path(history_dir).mkdir(parents=True, exist_ok=True)
+            label = job.get("label", job["strategy"]).replace("/", "_")
+            torch.cuda.memory._dump_snapshot(str(Path(history_dir) / f"{label}_rank{mesh.rank}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
     sync()
     if world > 1:
         dist.barrier()
@@ -161,7 +177,8 @@ def _worker(job: dict) -> dict:
         strategy.wait_for_parameters()
     result = {"ms": statistics.median(times), "wall_ms": wall_ms, "comm_ms": statistics.median(comm) if comm else 0.0,
               "exposed_ms": statistics.median(exposed) if exposed else 0.0, "after_init": after_init,
-              "before_step": marks["before_step"], "after_step": marks["after_step"], "params": n_params,
+              "before_step": marks["before_step"], "after_step": marks["after_step"], "peak_all": mem(),
+              "params": n_params,
               "breakdown": marks["breakdown"], "world": world}
     if world > 1:
         everyone = [None] * world
@@ -271,7 +288,7 @@ def main() -> None:
         name, n = row["label"], row["n"]
         t0 = time.time()
         try:
-            results[name] = _run({**base, "strategy": row["strategy"], "options": row["options"]}, n,
+            results[name] = _run({**base, "strategy": row["strategy"], "options": row["options"], "label": name}, n,
                                  {**common_env, **row["env"]})
             print(f"[dp_bench] {name:13s} x{n}: {results[name]['ms']:.1f} ms/step ({time.time() - t0:.0f}s)", flush=True)
         except Exception as e:  # noqa: BLE001 - one broken strategy must not hide the others
@@ -283,19 +300,20 @@ def main() -> None:
     lines = [f"## Data-parallel benchmark: model {a.model}, per-GPU batch {a.batch} x T={a.seq}, bf16 autocast, "
              f"fused AdamW, {a.nproc} GPUs (median of {a.steps} back-to-back steps{env_note})", "",
              "| strategy | GPUs | ms/step | tokens/s | scaling eff. | comm ms | exposed comm ms | "
-             "peak GiB after init | before opt step | after opt step |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "peak GiB after init | before opt step | after opt step | over all steps |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         name, n = row["label"], row["n"]
         r = results[name]
         if "error" in r:
-            lines.append(f"| {name} | {n} | failed: {r['error']} | | | | | | | |")
+            lines.append(f"| {name} | {n} | failed: {r['error']} | | | | | | | | |")
             continue
         tps = tok * n / r["ms"] * 1e3
         eff = tps / (n * tok / single["ms"] * 1e3) if "ms" in single else float("nan")
         lines.append(f"| {name} | {n} | {_fmt(r['ms'])} | {_fmt(tps, ',.0f')} | {_fmt(eff * 100)}% | "
                      f"{_fmt(r['comm_ms'])} | {_fmt(r['exposed_ms'])} | {_fmt(r['after_init'], '.2f')} | "
-                     f"{_fmt(r['before_step'], '.2f')} | {_fmt(r['after_step'], '.2f')} |")
+                     f"{_fmt(r['before_step'], '.2f')} | {_fmt(r['after_step'], '.2f')} | "
+                     f"{_fmt(r.get('peak_all', float('nan')), '.2f')} |")
     lines += ["", "### Memory accounting per rank (CS336 6a), GiB", "",
               "| strategy | rank | parameters | gradients | optimizer state |", "|---|---|---|---|---|"]
     for row in rows:
@@ -318,8 +336,9 @@ def main() -> None:
         return min(cands, key=lambda lab: results[lab]["ms"]) if cands else strategy
 
     def peak(name):
-        """The step's peak: forward/backward or the optimizer step, whichever is higher."""
-        return max(get(name, "before_step"), get(name, "after_step"))
+        """Peak over the whole run (set-up, first step, steady-state steps): from the second step on the
+        optimizer state exists during backward, so a strategy's steady-state peak can exceed its first step's."""
+        return get(name, "peak_all")
 
     def checks(ddp, zero1, fsdp, tfsdp):
         eff_b = single.get("ms", float("nan")) / get(ddp, "ms")

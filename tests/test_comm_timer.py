@@ -55,17 +55,44 @@ def test_unfinished_works_are_kept_and_all_counted():
     for w in works:
         timer.launched(w)
     assert len(timer._works) == 3  # none finished: all pending, none read early
-    works[1].done = True
+    works[0].done = True
     timer._harvest()
-    assert len(timer._works) == 2 and timer._nccl_ms == 2.0
+    assert len(timer._works) == 2 and timer._nccl_ms == 1.0
     for w in works:
         w.done = True
     timer._harvest(all_done=True)
-    assert timer._works == [] and timer._nccl_ms == 7.0
+    assert len(timer._works) == 0 and timer._nccl_ms == 7.0
+
+
+class _Counted(_FinishedLater):
+    polls = 0
+
+    def is_completed(self) -> bool:
+        _Counted.polls += 1
+        return super().is_completed()
+
+
+def test_polling_cost_per_launch_is_constant():
+    """One stream runs its collectives in launch order, so the timer polls only the oldest pending work.
+    Rescanning all of them on every launch made FSDP's ~500 collectives a step host-bound when timed."""
+    timer = _cuda_like_timer()
+    _Counted.polls = 0
+    n = 500
+    works = [_Counted(torch.zeros(1), 1.0) for _ in range(n)]
+    for i, w in enumerate(works):
+        timer.launched(w)
+        if i >= 100:  # the GPU runs 100 collectives behind the host
+            works[i - 100].done = True
+    assert _Counted.polls <= 3 * n, f"{_Counted.polls} polls for {n} launches"
+    assert len(timer._works) == 101  # the finished ones (all but the last 100, polled once more) are released
+    for w in works:
+        w.done = True
+    timer._harvest(all_done=True)
+    assert len(timer._works) == 0 and timer._nccl_ms == float(n)  # every duration counted once
 
 
 def test_disabled_timer_keeps_nothing():
     timer = _cuda_like_timer()
     timer.enabled = False
     timer.launched(_FinishedLater(torch.zeros(1), 1.0))
-    assert timer._works == [] and timer.metrics() == {}
+    assert len(timer._works) == 0 and timer.metrics() == {}
