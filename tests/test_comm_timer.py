@@ -46,7 +46,7 @@ def test_finished_works_are_released_before_metrics():
     del first
     gc.collect()
     assert ref() is None, "a finished work (and its gradient buffer) was kept alive by the timer"
-    assert len(timer._works) == 1 and timer._nccl_ms == 2.0
+    assert timer.pending_works() == 1 and timer._nccl_ms == 2.0
 
 
 def test_unfinished_works_are_kept_and_all_counted():
@@ -54,14 +54,14 @@ def test_unfinished_works_are_kept_and_all_counted():
     works = [_FinishedLater(torch.zeros(1), ms) for ms in (1.0, 2.0, 4.0)]
     for w in works:
         timer.launched(w)
-    assert len(timer._works) == 3  # none finished: all pending, none read early
+    assert timer.pending_works() == 3  # none finished: all pending, none read early
     works[0].done = True
     timer._harvest()
-    assert len(timer._works) == 2 and timer._nccl_ms == 1.0
+    assert timer.pending_works() == 2 and timer._nccl_ms == 1.0
     for w in works:
         w.done = True
     timer._harvest(all_done=True)
-    assert len(timer._works) == 0 and timer._nccl_ms == 7.0
+    assert timer.pending_works() == 0 and timer._nccl_ms == 7.0
 
 
 class _Counted(_FinishedLater):
@@ -84,15 +84,33 @@ def test_polling_cost_per_launch_is_constant():
         if i >= 100:  # the GPU runs 100 collectives behind the host
             works[i - 100].done = True
     assert _Counted.polls <= 3 * n, f"{_Counted.polls} polls for {n} launches"
-    assert len(timer._works) == 101  # the finished ones (all but the last 100, polled once more) are released
+    assert timer.pending_works() == 101  # the finished ones (all but the last 100, polled once more) are released
     for w in works:
         w.done = True
     timer._harvest(all_done=True)
-    assert len(timer._works) == 0 and timer._nccl_ms == float(n)  # every duration counted once
+    assert timer.pending_works() == 0 and timer._nccl_ms == float(n)  # every duration counted once
 
 
 def test_disabled_timer_keeps_nothing():
     timer = _cuda_like_timer()
     timer.enabled = False
     timer.launched(_FinishedLater(torch.zeros(1), 1.0))
-    assert len(timer._works) == 0 and timer.metrics() == {}
+    assert timer.pending_works() == 0 and timer.metrics() == {}
+
+
+def test_groups_are_polled_separately():
+    """Two process groups run on two NCCL streams: a slow collective on one must not hold back the release of
+    finished ones on the other (FSDP's reduce-scatters hold full-size gradients)."""
+    timer = _cuda_like_timer()
+    slow_gather = _FinishedLater(torch.zeros(1), 1.0)
+    timer.launched(slow_gather, group="gather")
+    grads = torch.ones(1000)
+    ref = weakref.ref(grads)
+    rs = _FinishedLater(grads, 2.0)
+    timer.launched(rs, group="reduce")
+    del grads
+    rs.done = True
+    timer.launched(_FinishedLater(torch.zeros(1), 4.0), group="reduce")
+    del rs
+    gc.collect()
+    assert ref() is None and timer.pending_works() == 2 and timer._nccl_ms == 2.0

@@ -10,11 +10,13 @@ from tests.dist_utils import make_toy, run_ranks, toy_batches, toy_loss
 BF16_ATOL = 1e-3
 
 
-def _fsdp_vs_single(rank, world, kind, compute_dtype, accum=1, prefetch=2):
+def _fsdp_vs_single(rank, world, kind, compute_dtype, accum=1, prefetch=2, separate_rs=False):
     from core.distributed.fsdp import FullyShardedDataParallel
 
     ref = make_toy(kind, 0)
-    model = FullyShardedDataParallel(make_toy(kind, rank), compute_dtype=compute_dtype, prefetch=prefetch)
+    rs_group = dist.new_group(ranks=list(range(world))) if separate_rs else None
+    model = FullyShardedDataParallel(make_toy(kind, rank), compute_dtype=compute_dtype, prefetch=prefetch,
+                                     reduce_scatter_group=rs_group)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute_dtype is not None)
     opt_ref = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.01, momentum=0.9)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01, momentum=0.9)
@@ -51,6 +53,7 @@ def _all2(rank, world):
     _fsdp_vs_single(rank, world, "tied", None, accum=2)
     _fsdp_vs_single(rank, world, "tied", None, prefetch=0)
     _fsdp_vs_single(rank, world, "tied", "bfloat16")
+    _fsdp_vs_single(rank, world, "tied", None, accum=2, separate_rs=True)  # reduce-scatters in a group of their own
 
 
 def test_fsdp_2ranks():

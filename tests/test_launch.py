@@ -30,6 +30,14 @@ def _train(tmp: Path, *overrides: str, timeout: int = 240) -> dict:
     return summary
 
 
+def test_fsdp_separate_reduce_scatter_group_trains_the_same(tmp_path):
+    """Reduce-scatters in a process group of their own change where they run, not what they compute."""
+    a = _train(tmp_path / "a", "parallelism=fsdp")
+    b = _train(tmp_path / "b", "parallelism=fsdp", "parallelism.separate_reduce_scatter=true")
+    assert b["world_size"] == 2 and b["steps"] == 4
+    assert abs(a["final_loss"] - b["final_loss"]) < 1e-6, (a["final_loss"], b["final_loss"])
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_train_py_dp2_cpu(strategy, tmp_path):
     extra = ["checkpoint.every=2"] if strategy in RESUMED else []

@@ -118,7 +118,8 @@ class CommTimer:
         self.reset()
 
     def reset(self) -> None:
-        self._works: collections.deque = collections.deque()  # NCCL works not yet harvested, in launch order
+        # NCCL works not yet harvested, per process group (one NCCL stream each), in launch order
+        self._works: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
         self._nccl_ms = 0.0                  # summed durations of the finished ones
         self._blocking: list[tuple] = []      # (start, end) events or (t0, t1) wall clock: comm and exposed
         self._waits: list[tuple] = []         # exposed-only intervals
@@ -132,16 +133,21 @@ class CommTimer:
             return ev
         return time.perf_counter()
 
-    def launched(self, work: Any) -> Any:
-        """Register an async collective's work at launch; returns it."""
+    def launched(self, work: Any, group: Any = None) -> Any:
+        """Register an async collective's work at launch; returns it. `group`: its process group, when the
+        caller launches on more than one (each runs its collectives in order on its own NCCL stream)."""
         if self.enabled and work is not None:
             if self.cuda:
                 if self.nccl_timing:
                     self._harvest()
-                    self._works.append(work)
+                    self._works[group].append(work)
             else:
                 self._pending_cpu[id(work)] = time.perf_counter()
         return work
+
+    def pending_works(self) -> int:
+        """Works registered and not yet harvested (each holds its collective's tensors)."""
+        return sum(len(q) for q in self._works.values())
 
     def wait(self, work: Any) -> None:
         """Wait for an async collective, counting the stall as exposed communication."""
@@ -176,16 +182,17 @@ class CommTimer:
         metrics are read, it would keep FSDP's gathered layers and last step's gradients alive and
         inflate the very peak memory being measured. Polling (`is_completed`, no sync) on every launch
         and wait releases each one soon after the GPU is done with it.
-        The works of one process group run in launch order on its NCCL stream, so polling stops at the
-        oldest unfinished one: O(1) per launch. Rescanning every pending work on every launch cost
+        The works of one process group run in launch order on its NCCL stream, so polling stops at each
+        group's oldest unfinished one: O(groups) per launch. Rescanning every pending work on every launch cost
         O(collectives x in flight) host time (FSDP on xl: ~500 collectives a step, a hundred in flight),
         enough to make the timed steps host-bound and their step time meaningless."""
-        while self._works and (all_done or self._works[0].is_completed()):
-            w = self._works.popleft()
-            try:
-                self._nccl_ms += float(w._get_duration())
-            except Exception:  # noqa: BLE001 - timing unavailable for this work
-                pass
+        for works in self._works.values():
+            while works and (all_done or works[0].is_completed()):
+                w = works.popleft()
+                try:
+                    self._nccl_ms += float(w._get_duration())
+                except Exception:  # noqa: BLE001 - timing unavailable for this work
+                    pass
 
     def _ms(self, pair: tuple) -> float:
         a, b = pair

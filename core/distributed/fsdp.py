@@ -21,6 +21,7 @@ Not combined with activation checkpointing (the recomputed forward would gather 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
 from typing import Any, Optional
 
@@ -72,13 +73,22 @@ class _GatherWeight(torch.autograd.Function):
 class FullyShardedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, process_group: Optional[dist.ProcessGroup] = None,
                  compute_dtype: Any = None, reduce_dtype: Any = None, prefetch: int = 2,
-                 timer: Optional[CommTimer] = None) -> None:
+                 timer: Optional[CommTimer] = None,
+                 reduce_scatter_group: Optional[dist.ProcessGroup] = None) -> None:
+        """`reduce_scatter_group`: the same ranks as `process_group` in a group of its own, for the gradient
+        reduce-scatters: each group runs its collectives in order on its own NCCL stream, so backward's
+        prefetched all-gathers (on the critical path) do not queue behind reduce-scatters (which are not).
+        None: everything on `process_group`."""
         super().__init__()
         require(0 <= prefetch <= 2, "parallelism.prefetch", f"must be 0, 1 or 2 units ahead, got {prefetch}",
                 "set parallelism.prefetch to 0..2")
         self.module = module
         self.process_group = process_group
+        self.rs_group = reduce_scatter_group if reduce_scatter_group is not None else process_group
         self.world, self.rank = group_size(process_group), group_rank(process_group)
+        require(group_size(self.rs_group) == self.world, "parallelism.separate_reduce_scatter",
+                "the reduce-scatter group must hold the same ranks as the data-parallel group",
+                "leave reduce_scatter_group unset")
         self.avg_in_op = supports_avg(process_group)
         self.compute_dtype, self.reduce_dtype = _dtype(compute_dtype), _dtype(reduce_dtype)
         self.prefetch = prefetch
@@ -139,7 +149,7 @@ class FullyShardedDataParallel(nn.Module):
             return
         buf = torch.empty((self.world * unit.rows,) + tuple(unit.full_shape[1:]), dtype=src.dtype, device=src.device)
         work = all_gather_flat(buf, src.contiguous(), group=self.process_group, async_op=True)
-        unit.pending = (buf, self.timer.launched(work))
+        unit.pending = (buf, self.timer.launched(work, group=self.process_group))
 
     def _take_gathered(self, unit: _Unit) -> torch.Tensor:
         self._launch_gather(unit)
@@ -228,8 +238,8 @@ class FullyShardedDataParallel(nn.Module):
         else:
             out = torch.empty((unit.rows,) + tuple(unit.full_shape[1:]), dtype=rd, device=g.device)
             op = dist.ReduceOp.AVG if self.avg_in_op else dist.ReduceOp.SUM
-            work = reduce_scatter_flat(out, g.contiguous(), op=op, group=self.process_group, async_op=True)
-            self._pending_rs.append((unit, out, self.timer.launched(work)))
+            work = reduce_scatter_flat(out, g.contiguous(), op=op, group=self.rs_group, async_op=True)
+            self._pending_rs.append((unit, out, self.timer.launched(work, group=self.rs_group)))
         while len(self._pending_rs) > max(2, self.prefetch + 1):  # bound the full-size grads in flight
             self._complete_rs(*self._pending_rs.pop(0))
 
@@ -310,8 +320,10 @@ class FSDPStrategy(Strategy):
     checkpoint_format = "dcp"
     supports_activation_checkpointing = False  # its saved-tensor hooks free gathered weights; recompute would miss them
 
-    def __init__(self, compute_dtype: Any = None, reduce_dtype: Any = None, prefetch: int = 2) -> None:
+    def __init__(self, compute_dtype: Any = None, reduce_dtype: Any = None, prefetch: int = 2,
+                 separate_reduce_scatter: bool = False) -> None:
         self.kwargs = dict(compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, prefetch=prefetch)
+        self.separate_reduce_scatter = bool(separate_reduce_scatter)
 
     def validate(self, mesh: ParallelMesh) -> None:
         require_pure_dp(mesh, self.name)
@@ -322,7 +334,14 @@ class FSDPStrategy(Strategy):
         self.mesh = mesh
         model = materialize(model, mesh.device_obj, init_fn)
         self.timer = CommTimer(mesh.device_obj)
-        self.wrapped = FullyShardedDataParallel(model, mesh.group("dp"), timer=self.timer, **self.kwargs)
+        group = mesh.group("dp")
+        rs_group = None
+        if self.separate_reduce_scatter and group_size(group) > 1:
+            # the same ranks again (pure data parallelism: every rank calls new_group, as it must)
+            rs_group = dist.new_group(ranks=dist.get_process_group_ranks(group),
+                                      timeout=datetime.timedelta(seconds=mesh.timeout_s))
+        self.wrapped = FullyShardedDataParallel(model, group, timer=self.timer, reduce_scatter_group=rs_group,
+                                                **self.kwargs)
         return self.wrapped
 
     def finish_gradient_synchronization(self) -> None:
