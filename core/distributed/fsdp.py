@@ -86,9 +86,9 @@ class FullyShardedDataParallel(nn.Module):
         self.process_group = process_group
         self.rs_group = reduce_scatter_group if reduce_scatter_group is not None else process_group
         self.world, self.rank = group_size(process_group), group_rank(process_group)
-        require(group_size(self.rs_group) == self.world, "parallelism.separate_reduce_scatter",
-                "the reduce-scatter group must hold the same ranks as the data-parallel group",
-                "leave reduce_scatter_group unset")
+        require(group_size(self.rs_group) == self.world, "reduce_scatter_group",
+                f"has {group_size(self.rs_group)} ranks, the data-parallel group {self.world}",
+                "pass a group of the same ranks as process_group, or None")
         self.avg_in_op = supports_avg(process_group)
         self.compute_dtype, self.reduce_dtype = _dtype(compute_dtype), _dtype(reduce_dtype)
         self.prefetch = prefetch
