@@ -125,6 +125,38 @@ def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
     return header, body
 
 
+# How close the planner aims to be (issue #5's targets): predicted step time within 25% of the measured one,
+# predicted peak memory within 10%.
+STEP_TOLERANCE, MEMORY_TOLERANCE = 0.25, 0.10
+
+
+def prediction_errors(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: per finished point, (predicted - measured) / measured for step time and peak memory,
+    and how many points fall within the planner's tolerances."""
+    def err(r: dict[str, Any], k: str) -> Optional[float]:
+        pred, meas = r.get("pred_" + k), r.get(k)
+        return (pred - meas) / meas if pred is not None and meas else None
+
+    done = [r for r in rows if r["status"] == "ok"]
+    lines = ["## Prediction against measurement", "",
+             "Error = (predicted - measured) / measured.", "",
+             "| job | step ms pred / measured | error | peak GiB pred / measured | error |",
+             "|---|---|---|---|---|"]
+    within = {"step_time_ms": [], "peak_mem_gib": []}
+    for r in done:
+        cells = [r["job"]]
+        for k, tol in (("step_time_ms", STEP_TOLERANCE), ("peak_mem_gib", MEMORY_TOLERANCE)):
+            e = err(r, k)
+            cells += [f"{_fmt(r.get('pred_' + k))} / {_fmt(r.get(k))}", "-" if e is None else f"{e * 100:+.0f}%"]
+            if e is not None:
+                within[k].append(abs(e) <= tol)
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    lines += ["", f"Step time within {STEP_TOLERANCE:.0%}: {sum(within['step_time_ms'])} of "
+              f"{len(within['step_time_ms'])} points. Peak memory within {MEMORY_TOLERANCE:.0%}: "
+              f"{sum(within['peak_mem_gib'])} of {len(within['peak_mem_gib'])} points.", ""]
+    return lines
+
+
 def write_markdown(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     header, body = table(rows)
     ok = sum(r["status"] == "ok" for r in rows)
@@ -135,7 +167,8 @@ def write_markdown(rows: list[dict[str, Any]], path: Path, title: str) -> None:
            "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for line in body:
         out.append("| " + " | ".join(_fmt(v).replace("|", "\\|").replace("\n", " ") for v in line) + " |")
-    out += ["", "![throughput vs peak memory](throughput_vs_memory.png)", "",
+    out += [""] + prediction_errors(rows)
+    out += ["![throughput vs peak memory](throughput_vs_memory.png)", "",
             "![step time per strategy](step_time_by_strategy.png)", ""]
     path.write_text("\n".join(out))
 
@@ -204,6 +237,11 @@ def report(sweep_dir: str | Path, quiet: bool = False) -> dict[str, Path]:
 
         raise ConfigError("report", f"{sweep_dir} is not a directory", "pass a sweep directory (hydra.sweep.dir)")
     rows = collect(sweep_dir)
+    if not rows:  # never replace a report (perhaps copied without its job directories) with an empty one
+        from core.errors import ConfigError
+
+        raise ConfigError("report", f"no sweep points under {sweep_dir} (no job directory with a summary.json)",
+                          "pass the directory a multirun wrote (hydra.sweep.dir); nothing there was changed")
     out = {"markdown": sweep_dir / "report.md", "csv": sweep_dir / "report.csv"}
     write_markdown(rows, out["markdown"], sweep_dir.name)
     write_csv(rows, out["csv"])
@@ -235,7 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         return 2
-    report(argv[0])
+    from core.errors import ConfigError
+
+    try:
+        report(argv[0])
+    except ConfigError as e:
+        print(f"[scalelab] {e}", file=sys.stderr)
+        return 2
     return 0
 
 

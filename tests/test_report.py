@@ -48,7 +48,8 @@ def test_rows_follow_job_numbers_and_carry_swept_keys(sweep: Path):
 def test_markdown_csv_and_plots(sweep: Path):
     out = report(sweep, quiet=True)
     md = out["markdown"].read_text()
-    assert md.count("\n| ") == 4  # header + 3 points
+    first_table = md.split("## Prediction against measurement")[0]
+    assert first_table.count("\n| ") == 4  # header + 3 points
     assert "| 1_mesh=dp2,parallelism=fsdp | ok | dp2 | fsdp |" in md
     assert "boom \\| with a pipe" in md
     with out["csv"].open() as f:
@@ -58,6 +59,25 @@ def test_markdown_csv_and_plots(sweep: Path):
     assert table[1]["peak GiB per rank"] == "6.5;6.4" and table[2]["status"] == "failed"
     for key in ("throughput_plot", "step_time_plot"):
         assert out[key].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prediction_errors_and_tolerance_counts(sweep: Path):
+    md = report(sweep, quiet=True)["markdown"].read_text()
+    section = md.split("## Prediction against measurement")[1]
+    # (pred - measured) / measured: step 100 vs 110 -> -9%, 100 vs 130 -> -23%; peak 10 vs 11 -> -9%, 6 vs 6.5 -> -8%
+    assert "| 0_mesh=dp1,parallelism=ddp_bucketed | 100.00 / 110.00 | -9% | 10.00 / 11.00 | -9% |" in section
+    assert "| 1_mesh=dp2,parallelism=fsdp | 100.00 / 130.00 | -23% | 6.00 / 6.50 | -8% |" in section
+    assert "10_mesh=dp2" not in section  # failed points have no measurement to compare
+    assert "Step time within 25%: 2 of 2 points. Peak memory within 10%: 2 of 2 points." in section
+
+
+def test_a_directory_without_points_keeps_its_report(tmp_path: Path):
+    """A report copied without its job directories is not overwritten by an empty one; one clear error."""
+    (tmp_path / "report.md").write_text("the real report")
+    proc = subprocess.run([sys.executable, "-m", "experiments.report", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no sweep points" in proc.stderr and "Traceback" not in proc.stderr
+    assert (tmp_path / "report.md").read_text() == "the real report"
 
 
 def test_prediction_recomputed_from_the_saved_config(tmp_path: Path):
