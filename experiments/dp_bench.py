@@ -9,8 +9,9 @@
 
 Experiment knob (env): `SCALELAB_BENCH_STREAM_PRIORITY=-1` runs the compute on a high-priority CUDA stream,
 so the block scheduler serves compute kernels before the NCCL kernels running beside them.
-`SCALELAB_BENCH_MEMORY_HISTORY=DIR` records every CUDA allocation from model set-up to the end of the first step and writes one snapshot
-per rank to DIR; `python3 experiments/memory_peak.py DIR/*.pickle` lists what is alive at each one's peak.
+`SCALELAB_BENCH_MEMORY_HISTORY=DIR` records every CUDA allocation from model set-up to the end of the first
+step and writes one snapshot per rank to DIR; `python3 experiments/memory_peak.py DIR/*.pickle` lists what
+is alive at each one's peak.
 
 Variants: `--variant STRATEGY:key=value,...` adds a row running STRATEGY with those constructor options
 over its defaults (values: int, float, true/false, null, or a string); an option `env.KEY=VALUE` sets an

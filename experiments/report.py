@@ -20,6 +20,8 @@ from typing import Any, Optional
 
 from hydra.experimental.callback import Callback
 
+from core.errors import ConfigError
+
 MEASURED = [("tokens_per_s", "tokens/s"), ("mfu", "MFU"), ("step_time_ms", "step ms"),
             ("peak_mem_gib", "peak GiB"), ("exposed_comm_ms", "exposed comm ms"), ("final_loss", "final loss")]
 PREDICTED = [("tokens_per_s", "pred tokens/s"), ("step_time_ms", "pred step ms"), ("peak_mem_gib", "pred peak GiB"),
@@ -125,7 +127,7 @@ def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
     return header, body
 
 
-# How close the planner aims to be (issue #5's targets): predicted step time within 25% of the measured one,
+# How close the planner aims to be (docs/planner.md): predicted step time within 25% of the measured one,
 # predicted peak memory within 10%.
 STEP_TOLERANCE, MEMORY_TOLERANCE = 0.25, 0.10
 
@@ -233,13 +235,9 @@ def report(sweep_dir: str | Path, quiet: bool = False) -> dict[str, Path]:
     """Write report.md, report.csv and the plots into `sweep_dir`; return their paths."""
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
-        from core.errors import ConfigError
-
         raise ConfigError("report", f"{sweep_dir} is not a directory", "pass a sweep directory (hydra.sweep.dir)")
     rows = collect(sweep_dir)
     if not rows:  # never replace a report (perhaps copied without its job directories) with an empty one
-        from core.errors import ConfigError
-
         raise ConfigError("report", f"no sweep points under {sweep_dir} (no job directory with a summary.json)",
                           "pass the directory a multirun wrote (hydra.sweep.dir); nothing there was changed")
     out = {"markdown": sweep_dir / "report.md", "csv": sweep_dir / "report.csv"}
@@ -273,8 +271,6 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         return 2
-    from core.errors import ConfigError
-
     try:
         report(argv[0])
     except ConfigError as e:
