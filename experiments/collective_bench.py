@@ -15,6 +15,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,12 +33,14 @@ def bus_factor(kind: str, p: int) -> float:
 def time_collective(kind: str, nbytes: int, dtype: torch.dtype, device: torch.device, iters: int, warmup: int) -> float:
     """Median ms of one call; `nbytes` is the full (output) buffer of the collective."""
     p = dist.get_world_size()
-    n = max(p, nbytes // torch.tensor([], dtype=dtype).element_size() // p * p)
+    n = max(p, nbytes // dtype.itemsize // p * p)
     full = torch.ones(n, dtype=dtype, device=device)
     shard = torch.ones(n // p, dtype=dtype, device=device)
+    from core.distributed.comm import all_gather_flat, reduce_scatter_flat  # torch 2.11 and 2.13 names
+
     call = {"all_reduce": lambda: dist.all_reduce(full),
-            "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
-            "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full)}[kind]
+            "all_gather": lambda: all_gather_flat(full, shard),
+            "reduce_scatter": lambda: reduce_scatter_flat(shard, full)}[kind]
     cuda = device.type == "cuda"
     for _ in range(warmup):
         call()
@@ -51,7 +54,6 @@ def time_collective(kind: str, nbytes: int, dtype: torch.dtype, device: torch.de
             b.synchronize()
             times.append(a.elapsed_time(b))
         else:
-            import time
             t0 = time.perf_counter()
             call()
             times.append((time.perf_counter() - t0) * 1e3)

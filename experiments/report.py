@@ -132,6 +132,10 @@ def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
 STEP_TOLERANCE, MEMORY_TOLERANCE = 0.25, 0.10
 
 
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
 def prediction_errors(rows: list[dict[str, Any]]) -> list[str]:
     """Markdown lines: per finished point, (predicted - measured) / measured for step time and peak memory,
     and how many points fall within the planner's tolerances."""
@@ -152,7 +156,7 @@ def prediction_errors(rows: list[dict[str, Any]]) -> list[str]:
             cells += [f"{_fmt(r.get('pred_' + k))} / {_fmt(r.get(k))}", "-" if e is None else f"{e * 100:+.0f}%"]
             if e is not None:
                 within[k].append(abs(e) <= tol)
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        lines.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
     lines += ["", f"Step time within {STEP_TOLERANCE:.0%}: {sum(within['step_time_ms'])} of "
               f"{len(within['step_time_ms'])} points. Peak memory within {MEMORY_TOLERANCE:.0%}: "
               f"{sum(within['peak_mem_gib'])} of {len(within['peak_mem_gib'])} points.", ""]
@@ -168,7 +172,7 @@ def write_markdown(rows: list[dict[str, Any]], path: Path, title: str) -> None:
            "(core/planner.py) made before the run." + (f" Every point: `{' '.join(fixed)}`." if fixed else ""), "",
            "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for line in body:
-        out.append("| " + " | ".join(_fmt(v).replace("|", "\\|").replace("\n", " ") for v in line) + " |")
+        out.append("| " + " | ".join(_md_cell(_fmt(v)) for v in line) + " |")
     out += [""] + prediction_errors(rows)
     out += ["![throughput vs peak memory](throughput_vs_memory.png)", "",
             "![step time per strategy](step_time_by_strategy.png)", ""]
