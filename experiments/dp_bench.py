@@ -25,7 +25,11 @@ warm-up steps first, then `--steps` back-to-back steps with no host synchronisat
 training: work a strategy leaves in flight after the optimizer step, e.g. ZeRO-1's parameter gathers,
 may overlap the next forward); ms/step is the median GPU time between consecutive step starts (CUDA
 events; wall clock on the CPU). Communication (comm_ms, exposed) is the mean over 3 extra back-to-back
-steps with the strategy's timer on, so the timed steps carry no extra syncs.
+steps with the strategy's timer on, so the timed steps carry no extra syncs. "Over all steps" is the peak
+before those 3 steps; "with comm timer on" includes them: the timer holds each NCCL work until the GPU has
+finished it, and a work holds its tensors, so with FSDP it raises the peak (by 0.4-2 GiB on xl).
+`--repeat N` runs the row list N times round-robin; machines drift within minutes (torch FSDP2 measured 152
+then 174 ms on one host), so a ratio of medians over interleaved repeats is the one to trust.
 Prints and writes (`--out`) one markdown table plus the per-rank memory accounting of CS336 6a.
 No Hydra composition: the model and strategies are built directly from core.*.
 """
@@ -164,6 +168,9 @@ def _worker(job: dict) -> dict:
         times = [evs[i].elapsed_time(evs[i + 1]) for i in range(n)]
     else:
         times = [(stamps[i + 1] - stamps[i]) * 1e3 for i in range(n)]
+    # the peak before the timed communication steps: holding NCCL works for their durations keeps their
+    # tensors alive until the GPU finishes them (later than the strategy frees them), which raises FSDP's peak
+    peak_untimed = mem()
     comm, exposed = [], []
     if timer is not None:
         sync()
@@ -180,7 +187,8 @@ def _worker(job: dict) -> dict:
         strategy.wait_for_parameters()
     result = {"ms": statistics.median(times), "wall_ms": wall_ms, "comm_ms": statistics.median(comm) if comm else 0.0,
               "exposed_ms": statistics.median(exposed) if exposed else 0.0, "after_init": after_init,
-              "before_step": marks["before_step"], "after_step": marks["after_step"], "peak_all": mem(),
+              "before_step": marks["before_step"], "after_step": marks["after_step"], "peak_all": peak_untimed,
+              "peak_timed": mem(),
               "params": n_params,
               "breakdown": marks["breakdown"], "world": world}
     if world > 1:
@@ -255,6 +263,23 @@ def parse_variant(text: str) -> dict:
     return {"label": label, "strategy": name, "options": options, "env": env}
 
 
+def combine_repeats(runs: list[dict]) -> dict:
+    """One row's repeats -> one result: median step time and communication, the highest memory figures
+    (a peak seen once is a peak), the first run's accounting. Failed repeats are dropped; all failed: the
+    last error."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[-1]
+    out = dict(ok[0])
+    out["ms_runs"] = [r["ms"] for r in ok]
+    for key in ("ms", "wall_ms", "comm_ms", "exposed_ms"):
+        out[key] = statistics.median(r[key] for r in ok)
+    for key in ("after_init", "before_step", "after_step", "peak_all", "peak_timed"):
+        vals = [r[key] for r in ok if key in r and r[key] == r[key]]
+        out[key] = max(vals) if vals else float("nan")
+    return out
+
+
 def _fmt(x, spec=".1f"):
     return "n/a" if x is None or x != x else format(x, spec)
 
@@ -273,6 +298,9 @@ def main() -> None:
                     help="an extra row: STRATEGY with these options (env.KEY=VAL: env for that row); repeatable")
     ap.add_argument("--env", action="append", default=[], type=_env_pair, metavar="KEY=VALUE",
                     help="environment variable for every row's workers; repeatable")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the whole row list this many times, round-robin (A B A B ...), and report each "
+                         "row's median over the repeats with its min-max: drift of the machine hits every row")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu"])
     ap.add_argument("--out", default="dp_bench.md")
     a = ap.parse_args()
@@ -285,38 +313,51 @@ def main() -> None:
     rows = [{"label": "single", "strategy": "single", "options": {}, "env": {}, "n": 1}]
     rows += [{"label": s, "strategy": s, "options": {}, "env": {}, "n": a.nproc} for s in a.strategies.split(",") if s]
     rows += [{**v, "n": a.nproc} for v in a.variant]
-    results: dict = {}
+    labels = [r["label"] for r in rows]
+    if len(set(labels)) != len(labels):
+        ap.error(f"two rows share a label: {labels}")
+    if a.repeat < 1:
+        ap.error("--repeat must be >= 1")
+    runs: dict = {name: [] for name in labels}
     t_all = time.time()
-    for row in rows:
-        name, n = row["label"], row["n"]
-        t0 = time.time()
-        try:
-            results[name] = _run({**base, "strategy": row["strategy"], "options": row["options"], "label": name}, n,
-                                 {**common_env, **row["env"]})
-            print(f"[dp_bench] {name:13s} x{n}: {results[name]['ms']:.1f} ms/step ({time.time() - t0:.0f}s)", flush=True)
-        except Exception as e:  # noqa: BLE001 - one broken strategy must not hide the others
-            results[name] = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"}
-            print(f"[dp_bench] {name} FAILED: {results[name]['error']}", flush=True)
+    for rep in range(a.repeat):
+        for row in rows:
+            name, n = row["label"], row["n"]
+            t0 = time.time()
+            tag = f" (repeat {rep + 1}/{a.repeat})" if a.repeat > 1 else ""
+            try:
+                r = _run({**base, "strategy": row["strategy"], "options": row["options"], "label": name}, n,
+                         {**common_env, **row["env"]})
+                runs[name].append(r)
+                print(f"[dp_bench] {name:13s} x{n}: {r['ms']:.1f} ms/step ({time.time() - t0:.0f}s){tag}", flush=True)
+            except Exception as e:  # noqa: BLE001 - one broken strategy must not hide the others
+                msg = str(e).strip()
+                runs[name].append({"error": f"{type(e).__name__}: {msg.splitlines()[-1] if msg else ''}"})
+                print(f"[dp_bench] {name} FAILED{tag}: {runs[name][-1]['error']}", flush=True)
+    results = {name: combine_repeats(rs) for name, rs in runs.items()}
     tok = a.batch * a.seq
     single = results.get("single", {})
     env_note = f", env {' '.join(f'{k}={v}' for k, v in common_env.items())}" if common_env else ""
     lines = [f"## Data-parallel benchmark: model {a.model}, per-GPU batch {a.batch} x T={a.seq}, bf16 autocast, "
-             f"fused AdamW, {a.nproc} GPUs (median of {a.steps} back-to-back steps{env_note})", "",
-             "| strategy | GPUs | ms/step | tokens/s | scaling eff. | comm ms | exposed comm ms | "
-             "peak GiB after init | before opt step | after opt step | over all steps |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"fused AdamW, {a.nproc} GPUs (median of {a.steps} back-to-back steps{env_note}"
+             + (f"; every row run {a.repeat} times round-robin, median of the repeats, min-max beside it"
+                if a.repeat > 1 else "") + ")", "",
+             "| strategy | GPUs | ms/step | min-max over repeats | tokens/s | scaling eff. | comm ms | exposed comm ms | "
+             "peak GiB after init | before opt step | after opt step | over all steps | with comm timer on |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         name, n = row["label"], row["n"]
         r = results[name]
         if "error" in r:
-            lines.append(f"| {name} | {n} | failed: {r['error']} | | | | | | | | |")
+            lines.append(f"| {name} | {n} | failed: {r['error']} | | | | | | | | | | |")
             continue
         tps = tok * n / r["ms"] * 1e3
         eff = tps / (n * tok / single["ms"] * 1e3) if "ms" in single else float("nan")
-        lines.append(f"| {name} | {n} | {_fmt(r['ms'])} | {_fmt(tps, ',.0f')} | {_fmt(eff * 100)}% | "
+        spread = f"{_fmt(min(r['ms_runs']))}-{_fmt(max(r['ms_runs']))}" if len(r["ms_runs"]) > 1 else ""
+        lines.append(f"| {name} | {n} | {_fmt(r['ms'])} | {spread} | {_fmt(tps, ',.0f')} | {_fmt(eff * 100)}% | "
                      f"{_fmt(r['comm_ms'])} | {_fmt(r['exposed_ms'])} | {_fmt(r['after_init'], '.2f')} | "
                      f"{_fmt(r['before_step'], '.2f')} | {_fmt(r['after_step'], '.2f')} | "
-                     f"{_fmt(r.get('peak_all', float('nan')), '.2f')} |")
+                     f"{_fmt(r.get('peak_all', float('nan')), '.2f')} | {_fmt(r.get('peak_timed', float('nan')), '.2f')} |")
     lines += ["", "### Memory accounting per rank (CS336 6a), GiB", "",
               "| strategy | rank | parameters | gradients | optimizer state |", "|---|---|---|---|---|"]
     for row in rows:
@@ -339,8 +380,8 @@ def main() -> None:
         return min(cands, key=lambda lab: results[lab]["ms"]) if cands else strategy
 
     def peak(name):
-        """Peak over the whole run (set-up, first step, steady-state steps): from the second step on the
-        optimizer state exists during backward, so a strategy's steady-state peak can exceed its first step's."""
+        """Peak over set-up, warm-up and the timed steps (not the comm-timer steps): from the second step on
+        the optimizer state exists during backward, so a strategy's steady-state peak can exceed its first's."""
         return get(name, "peak_all")
 
     def checks(ddp, zero1, fsdp, tfsdp):

@@ -32,7 +32,7 @@ def _train(tmp: Path, *overrides: str, timeout: int = 240) -> dict:
 
 def test_fsdp_separate_reduce_scatter_group_trains_the_same(tmp_path):
     """Reduce-scatters in a process group of their own change where they run, not what they compute."""
-    a = _train(tmp_path / "a", "parallelism=fsdp")
+    a = _train(tmp_path / "a", "parallelism=fsdp", "parallelism.separate_reduce_scatter=false")
     b = _train(tmp_path / "b", "parallelism=fsdp", "parallelism.separate_reduce_scatter=true")
     assert b["world_size"] == 2 and b["steps"] == 4
     assert abs(a["final_loss"] - b["final_loss"]) < 1e-6, (a["final_loss"], b["final_loss"])

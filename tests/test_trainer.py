@@ -141,3 +141,13 @@ def test_profile_mode_writes_a_trace(tmp_path):
     names = {e.get("name") for e in trace["traceEvents"]}
     assert "train_step" in names and "aten::mm" in names  # the step and the matmuls inside it were recorded
     assert "aten::mm" in (tmp_path / "profile_table.txt").read_text()
+
+
+def test_window_step_time_leaves_out_comm_timed_steps():
+    """A logged window reports the median of its untimed steps (wall-clock marks on the CPU)."""
+    from core.trainer import _window_step_seconds
+
+    marks = [(0.0, 0.10, False), (0.2, 0.31, False), (0.4, 0.52, False), (0.6, 1.60, True)]  # timed step: 1 s
+    assert _window_step_seconds(marks, wall_s=9.9) == pytest.approx(0.11)
+    assert _window_step_seconds([(0.0, 0.5, True), (1.0, 1.7, True)], wall_s=9.9) == pytest.approx(0.6)
+    assert _window_step_seconds([], wall_s=0.25) == 0.25

@@ -321,7 +321,7 @@ class FSDPStrategy(Strategy):
     supports_activation_checkpointing = False  # its saved-tensor hooks free gathered weights; recompute would miss them
 
     def __init__(self, compute_dtype: Any = None, reduce_dtype: Any = None, prefetch: int = 2,
-                 separate_reduce_scatter: bool = False) -> None:
+                 separate_reduce_scatter: bool = True) -> None:
         self.kwargs = dict(compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, prefetch=prefetch)
         self.separate_reduce_scatter = bool(separate_reduce_scatter)
 
