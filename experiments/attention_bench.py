@@ -9,7 +9,9 @@ Standalone (torch, triton, numpy only; no hydra), one command per table:
 Every implementation is timed in the same process, side by side, with
 `triton.testing.do_bench` (median, L2 flushed between calls): naive PyTorch, the same
 under `torch.compile`, SDPA pinned to its flash and cuDNN backends, `flash_torch`
-(small sizes only) and `flash_triton`. Causal throughout. FLOPs counted as
+(small sizes only) and `flash_triton` (backward variants: `flash_triton` two-pass,
+`flash_triton_atomic` one pass with atomic fp32 dQ, `flash_triton_fused` one fused launch).
+Causal throughout. FLOPs counted as
 forward = 4 * B * H * S^2 * D / 2 (causal), backward = 2.5x, forward+backward = 3.5x;
 the fraction of the matmul ceiling uses a large matmul measured in the same run (fp32
 rows: TF32, which every fp32 implementation here is allowed to use). Out-of-memory is
@@ -17,7 +19,8 @@ reported as OOM and the sweep continues. Peak memory is the extra memory one
 forward+backward allocates beyond its inputs.
 
 Pin Triton tiles for a variant with an impl name like
-``flash_triton@fwd=128x64x8x3,dq=128x64x8x3,dkdv=64x128x8x3`` (BLOCK_M x BLOCK_N x warps x stages).
+``flash_triton@fwd=128x64x8x3,dq=128x64x8x3,dkdv=64x128x8x3`` (BLOCK_M x BLOCK_N x warps x stages),
+or ``flash_triton_fused@fused=64x64x4x3`` for the fused backward kernel.
 """
 from __future__ import annotations
 
@@ -36,7 +39,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-ALL_IMPLS = ("naive", "compiled", "sdpa_flash", "sdpa_cudnn", "flash_torch", "flash_triton", "flash_triton_atomic")
+ALL_IMPLS = ("naive", "compiled", "sdpa_flash", "sdpa_cudnn", "flash_torch", "flash_triton", "flash_triton_atomic",
+             "flash_triton_fused")
+TRITON_CLASSES = {"flash_triton": "FlashAttentionTriton", "flash_triton_atomic": "FlashAttentionTritonAtomicDQ",
+                  "flash_triton_fused": "FlashAttentionTritonFusedBwd"}
 FLASH_TORCH_MAX_SEQ = 1024
 MODES = ("fwd", "bwd", "fwd_bwd")
 
@@ -78,7 +84,7 @@ def make_impl(name: str):
     if base == "flash_torch":
         from core.kernels.flash_torch import FlashAttentionTorch
         return lambda q, k, v: FlashAttentionTorch.apply(q, k, v, True)
-    if base in ("flash_triton", "flash_triton_atomic"):  # _atomic: one-pass backward, atomic fp32 dQ
+    if base in TRITON_CLASSES:  # _atomic: one-pass backward, atomic fp32 dQ; _fused: one fused bwd launch
         from core.kernels import flash_triton as ft
         pins = {}
         for part in filter(None, spec.split(",")):
@@ -86,14 +92,15 @@ def make_impl(name: str):
             pins[kname] = tuple(int(x) for x in cfg.split("x"))
 
         pinned = {n: tuple(c) for n, c in pins.items()}
-        apply = (ft.FlashAttentionTritonAtomicDQ if base == "flash_triton_atomic" else ft.FlashAttentionTriton).apply
+        apply = getattr(ft, TRITON_CLASSES[base]).apply
 
         def fa(q, k, v):
             if ft._PINNED != pinned:  # variants share the process: re-pin only when it changed
                 ft.pin_configs(**pins)
             return apply(q, k, v, True)
         return fa
-    raise ValueError(f"unknown impl {name!r}: use one of {', '.join(ALL_IMPLS)} (flash_triton@... for pinned tiles)")
+    raise ValueError(f"unknown impl {name!r}: use one of {', '.join(ALL_IMPLS)} (flash_triton@..., "
+                     "flash_triton_fused@fused=... for pinned tiles)")
 
 
 def attn_flops(b: int, h: int, s: int, d: int, mode: str) -> float:
@@ -155,27 +162,33 @@ CHECK_CASES = [  # (B, H, N_q, N_k, D), dtype, pinned tiles or None (autotuned)
     ((1, 2, 333, 200, 32), torch.float16, None),
     ((2, 2, 129, 129, 16), torch.float32, None),
     ((1, 1, 190, 190, 96), torch.bfloat16, None),
-    ((1, 2, 300, 300, 64), torch.bfloat16, dict(fwd=(64, 32, 4, 2), dq=(64, 32, 4, 2), dkdv=(32, 64, 4, 2))),
+    # fused pinned with BLOCK_M != BLOCK_N: unequal query / key tile counts, some programs skip a phase
+    ((1, 2, 300, 300, 64), torch.bfloat16, dict(fwd=(64, 32, 4, 2), dq=(64, 32, 4, 2), dkdv=(32, 64, 4, 2),
+                                               fused=(64, 32, 4, 2))),
 ]
 
 
-def check_correctness(cases=CHECK_CASES) -> list[str]:
-    """flash_triton against a float64 reference on the GPU (out, lse, dq, dk, dv); poisoned outputs."""
+def check_correctness(cases=CHECK_CASES, variants=("flash_triton",)) -> list[str]:
+    """flash_triton against a float64 reference on the GPU (out, lse, dq, dk, dv); poisoned outputs.
+
+    variants: impl names from TRITON_CLASSES (backward variants), each checked on every case."""
     from core.kernels import flash_triton as ft
     from core.kernels._flash_common import reference_attention
     ft.POISON_OUTPUTS = True
-    lines = ["| shape (B,H,Nq,Nk,D) | dtype | causal | out | lse | dq | dk | dv |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| impl | shape (B,H,Nq,Nk,D) | dtype | causal | out | lse | dq | dk | dv |",
+             "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     worst = 0.0
     for (b, h, nq, nk, d), dtype, pins in cases:
         ft.pin_configs(**(pins or {}))
-        for _ in (0,):
+        for variant in variants:
+            fn_cls = getattr(ft, TRITON_CLASSES[variant])
             for causal in (True, False):
                 # non-contiguous q (B, T, H, D) transposed, as the model passes it
                 q = torch.randn(b, nq, h, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
                 k = torch.randn(b, h, nk, d, device="cuda", dtype=dtype, requires_grad=True)
                 v = torch.randn(b, h, nk, d, device="cuda", dtype=dtype, requires_grad=True)
-                o = ft.FlashAttentionTriton.apply(q, k, v, causal)
+                o = fn_cls.apply(q, k, v, causal)
                 do = torch.randn_like(o)
                 o.backward(do)
                 _, lse = ft.flash_attention_with_lse(q.detach(), k.detach(), v.detach(), causal)
@@ -191,7 +204,8 @@ def check_correctness(cases=CHECK_CASES) -> list[str]:
                 errs = [rel(o, ro), (lse.double()[fin] - rl[fin]).abs().max().item(),
                         rel(q.grad, qr.grad), rel(k.grad, kr.grad), rel(v.grad, vr.grad)]
                 worst = max([worst] + [e if e == e else float("inf") for e in errs])
-                lines.append(f"| {b},{h},{nq},{nk},{d}{' pinned' if pins else ''} | {str(dtype)[6:]} | {causal} | "
+                lines.append(f"| {variant} | {b},{h},{nq},{nk},{d}{' pinned' if pins else ''} | {str(dtype)[6:]} | "
+                             f"{causal} | "
                              + " | ".join(f"{e:.1e}" for e in errs) + " |")
                 print(lines[-1], flush=True)
     ft.POISON_OUTPUTS = False
@@ -278,7 +292,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="bf16,fp32")
     ap.add_argument("--warmup", type=int, default=None, help="do_bench warmup, ms")
     ap.add_argument("--rep", type=int, default=None, help="do_bench repetitions, ms")
-    ap.add_argument("--check", action="store_true", help="first check flash_triton against float64 on the GPU")
+    ap.add_argument("--check", action="store_true", help="first check flash_triton (and the backward variants "
+                    "in --impls) against float64 on the GPU")
     ap.add_argument("--out", default=None, help="also write the markdown here")
     args = ap.parse_args(argv)
 
@@ -297,9 +312,12 @@ def main(argv=None) -> int:
            f"date {datetime.date.today()}",
            f"- command: `python3 {' '.join(sys.argv)}`"]
     if args.check:
-        out += ["\n### correctness (flash_triton vs float64; outputs poisoned with NaN first)\n"]
+        out += ["\n### correctness (flash_triton backward variants vs float64; outputs poisoned with NaN first)\n"]
         print("\n".join(out), flush=True)
-        out += check_correctness()
+        # the backward variants being benchmarked (the default one always)
+        variants = ["flash_triton"] + [v for v in ("flash_triton_atomic", "flash_triton_fused")
+                                       if any(i.partition("@")[0] == v for i in impls)]
+        out += check_correctness(variants=tuple(variants))
         print(out[-1], flush=True)
 
     if args.preset == "leaderboard":
@@ -333,12 +351,16 @@ def main(argv=None) -> int:
         t_f = do_bench(lambda: ft.flash_fwd_impl(q, k, v, True), warmup=warmup, rep=rep, return_mode="median")
         t_b = do_bench(lambda: ft.flash_bwd_impl(do, q, k, v, o, lse, True), warmup=warmup, rep=rep,
                        return_mode="median")
-        t_a = do_bench(lambda: ft.flash_bwd_impl(do, q, k, v, o, lse, True, True), warmup=warmup, rep=rep,
-                       return_mode="median")
+        t_a = do_bench(lambda: ft.flash_bwd_impl(do, q, k, v, o, lse, True, ft.BWD_ATOMIC_DQ), warmup=warmup,
+                       rep=rep, return_mode="median")
         f = attn_flops(1, 16, 16384, 64, "fwd")
         out += [f"- forward kernel {t_f:.3f} ms ({f / t_f / 1e9:.0f} TFLOP/s); backward kernels (dq pass + "
                 f"dk/dv pass) {t_b:.3f} ms ({2.5 * f / t_b / 1e9:.0f} TFLOP/s); one-pass atomic-dQ backward "
                 f"{t_a:.3f} ms ({2.5 * f / t_a / 1e9:.0f} TFLOP/s)"]
+        if any(i.partition("@")[0] == "flash_triton_fused" for i in impls):
+            t_u = do_bench(lambda: ft.flash_bwd_impl(do, q, k, v, o, lse, True, ft.BWD_FUSED), warmup=warmup,
+                           rep=rep, return_mode="median")
+            out[-1] += f"; fused one-launch backward {t_u:.3f} ms ({2.5 * f / t_u / 1e9:.0f} TFLOP/s)"
         print(out[-1], flush=True)
     if any(i.startswith("flash_triton") for i in impls):
         from core.kernels.flash_triton import tuned_configs

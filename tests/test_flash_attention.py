@@ -20,7 +20,7 @@ from core.kernels import flash_triton as ft  # noqa: E402
 from core.kernels._flash_common import reference_attention  # noqa: E402
 from core.kernels.flash_torch import FlashAttentionTorch  # noqa: E402
 from core.kernels.flash_triton import (FlashAttentionTriton, FlashAttentionTritonAtomicDQ,  # noqa: E402
-                                       flash_attention_with_lse)
+                                       FlashAttentionTritonFusedBwd, flash_attention_with_lse)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -49,6 +49,8 @@ gpu = pytest.mark.gpu
 
 # relative-error bounds by dtype (fp32 dots run as TF32 in the Triton kernel on the GPU)
 TOL = {torch.float32: 5e-3 if CUDA else 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+# absolute bound between two Triton backward variants / tilings on the same fp32 inputs
+SAME_TOL = 1e-3 if CUDA else 1e-5
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -89,7 +91,12 @@ def check_against_reference(fn, q, k, v, causal, tol):
 
 IMPLS = [pytest.param(FlashAttentionTorch.apply, id="flash_torch"),
          pytest.param(FlashAttentionTriton.apply, id="flash_triton", marks=needs_triton),
-         pytest.param(FlashAttentionTritonAtomicDQ.apply, id="flash_triton_atomic_dq", marks=needs_triton)]
+         pytest.param(FlashAttentionTritonAtomicDQ.apply, id="flash_triton_atomic_dq", marks=needs_triton),
+         pytest.param(FlashAttentionTritonFusedBwd.apply, id="flash_triton_fused_bwd", marks=needs_triton)]
+# the Triton backward variants, for the tests that take the class
+BWD_CLASSES = pytest.mark.parametrize("fn_cls", [FlashAttentionTriton, FlashAttentionTritonAtomicDQ,
+                                                 FlashAttentionTritonFusedBwd],
+                                      ids=["two_pass", "atomic_dq", "fused"])
 
 # (q shape, n_k, causal): odd lengths, N_q != N_k both ways (causal bottom-right), extra lead dims
 CASES = [((2, 2, 37, 16), 37, True), ((1, 2, 33, 32), 70, True), ((1, 2, 70, 16), 33, True),
@@ -122,8 +129,76 @@ def test_non_contiguous_model_layout(fn):
     check_against_reference(fn, q, k, v, True, TOL[torch.float32])
 
 
+# Fused backward: program i does key tile i (BLOCK_N wide) and query tile i (BLOCK_M high); with several
+# tiles both ways and unequal tile counts, some programs skip one phase. Pinned tiles: equal, and unequal
+# both ways (the interpreter's default for the fused kernel is 32/16). Outputs poisoned with NaN.
 @needs_triton
-@pytest.mark.parametrize("fn_cls", [FlashAttentionTriton, FlashAttentionTritonAtomicDQ], ids=["two_pass", "atomic_dq"])
+@pytest.mark.parametrize("tiles", [(32, 16), (16, 32), (16, 16)], ids=["bm32_bn16", "bm16_bn32", "bm16_bn16"])
+@pytest.mark.parametrize("n_q,n_k", [(70, 130), (130, 70)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_bwd_tile_pairing(tiles, n_q, n_k, causal, monkeypatch):
+    monkeypatch.setattr(ft, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(ft, "_PINNED", {"fused": (*tiles, 4, 1)})
+    torch.manual_seed(7)
+    q, k, v = make_qkv((1, 1, n_q, 16), n_k, torch.float32)
+    check_against_reference(FlashAttentionTritonFusedBwd.apply, q, k, v, causal, TOL[torch.float32])
+
+
+def test_fused_grid_covers_both_tile_counts():
+    assert ft._grid("fused", 3, 70, 130, 32, 16) == (9, 3)    # 3 query tiles, 9 key tiles
+    assert ft._grid("fused", 3, 130, 70, 16, 32) == (9, 3)    # 9 query tiles, 3 key tiles
+    assert ft._grid("fused", 1, 1024, 1024, 64, 64) == (16, 1)
+    assert ft._grid("dq", 3, 70, 0, 32, 16) == (3, 3) and ft._grid("dkdv", 3, 130, 0, 32, 16) == (3, 9)
+
+
+@needs_triton
+def test_bwd_variant_policy_and_launches(monkeypatch):
+    """The default class takes the fused backward on small grids and the two-pass one on large grids
+    (`_use_fused`, from the H100 measurements); the fused variant is one backward launch, so forward +
+    backward = 2 launches."""
+    launched = []
+    real_launch = ft._launch
+
+    def spy(name, *args, **kwargs):
+        launched.append(name)
+        return real_launch(name, *args, **kwargs)
+    monkeypatch.setattr(ft, "_launch", spy)
+    q, k, v = make_qkv((1, 1, 20, 16), 20, torch.float32)
+    # measured boundaries: d <= 64 up to 256 64-row tiles, d = 128 up to 128; the leaderboard grid is two-pass
+    assert ft._use_fused(1, 16384, 16384, 64, torch.bfloat16) and not ft._use_fused(1, 16385, 16385, 64, torch.bfloat16)
+    assert ft._use_fused(1, 8192, 8192, 128, torch.bfloat16) and not ft._use_fused(1, 16384, 16384, 128, torch.bfloat16)
+    assert not ft._use_fused(16, 16384, 16384, 64, torch.bfloat16)
+    assert ft._use_fused(1, 20, 20, 16, torch.float32)
+    FlashAttentionTriton.apply(q, k, v, True).sum().backward()
+    assert launched == ["fwd", "fused"]
+    launched.clear()
+    FlashAttentionTritonFusedBwd.apply(q, k, v, True).sum().backward()
+    assert launched == ["fwd", "fused"]
+    launched.clear()
+    monkeypatch.setattr(ft, "_use_fused", lambda *a: False)
+    FlashAttentionTriton.apply(q, k, v, True).sum().backward()
+    assert launched == ["fwd", "dq", "dkdv"]
+    launched.clear()
+    FlashAttentionTritonFusedBwd.apply(q, k, v, True).sum().backward()
+    assert launched == ["fwd", "fused"]
+    launched.clear()
+    monkeypatch.setattr(ft, "_use_fused", lambda *a: True)
+    g_fused = torch.autograd.grad(FlashAttentionTriton.apply(q, k, v, True).sum(), q)[0]
+    assert launched == ["fwd", "fused"]
+    monkeypatch.setattr(ft, "_use_fused", lambda *a: False)
+    g_two = torch.autograd.grad(FlashAttentionTriton.apply(q, k, v, True).sum(), q)[0]
+    assert (g_fused - g_two).abs().max() < SAME_TOL  # another tiling: fp32 sums in another order
+    with pytest.raises(ConfigError, match="unknown backward variant"):
+        ft.flash_bwd_impl(q, q, k, v, q, q[..., 0], True, "split")
+    # batch x heads beyond the fused grid's dim-1 limit: the two-pass backward runs instead
+    monkeypatch.setattr(ft, "_MAX_GRID_Y", 0)
+    launched.clear()
+    g_big = torch.autograd.grad(FlashAttentionTritonFusedBwd.apply(q, k, v, True).sum(), q)[0]
+    assert launched == ["fwd", "dq", "dkdv"] and (g_big - g_two).abs().max() < SAME_TOL
+
+
+@needs_triton
+@BWD_CLASSES
 @pytest.mark.parametrize("causal", [True, False])
 def test_triton_logsumexp_and_every_element_written(causal, fn_cls, monkeypatch):
     monkeypatch.setattr(ft, "POISON_OUTPUTS", True)  # outputs start as NaN: unwritten shows up
@@ -179,12 +254,13 @@ def test_autocast(fn):
 
 
 @needs_triton
-def test_torch_compile_fullgraph():
+@pytest.mark.parametrize("fn_cls", [FlashAttentionTriton, FlashAttentionTritonFusedBwd], ids=["two_pass", "fused"])
+def test_torch_compile_fullgraph(fn_cls):
     torch.manual_seed(5)
     q, k, v = make_qkv((1, 2, 24, 16), 24, torch.float32, noncontig=True)
 
     def f(q, k, v):
-        return FlashAttentionTriton.apply(q * 1.0, k, v, True) * 2.0
+        return fn_cls.apply(q * 1.0, k, v, True) * 2.0
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager" if not CUDA else "inductor")
     out = compiled(q, k, v)
@@ -204,6 +280,19 @@ def test_custom_op_registered():
     assert out.shape == q.shape and lse.shape == (1, 1, 8)
     torch.library.opcheck(torch.ops.scalelab.flash_attn_fwd.default, (q, k, v, True),
                           test_utils=("test_schema", "test_faketensor"))
+    do = torch.randn_like(out)
+    ref = None
+    # bwd_variant 0 two-pass, 1 atomic dQ, 2 fused; a bool still binds (the former atomic_dq argument)
+    for variant in (0, 1, 2, True):
+        grads = torch.ops.scalelab.flash_attn_bwd(do, q, k, v, out, lse, True, variant)
+        assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+        ref = ref or grads
+        assert max((g - r).abs().max().item() for g, r in zip(grads, ref)) < SAME_TOL
+        if variant is not True:
+            torch.library.opcheck(torch.ops.scalelab.flash_attn_bwd.default, (do, q, k, v, out, lse, True, variant),
+                                  test_utils=("test_schema", "test_faketensor"))
+    grads = torch.ops.scalelab.flash_attn_bwd(do, q, k, v, out, lse, True)  # default: two-pass
+    assert max((g - r).abs().max().item() for g, r in zip(grads, ref)) < SAME_TOL
 
 
 @pytest.mark.parametrize("fn", IMPLS)
@@ -223,6 +312,28 @@ def test_errors(fn, bad, match):
         fn(q, k, v, True)
 
 
+@needs_triton
+def test_bench_impls_on_cpu(monkeypatch):
+    """experiments/attention_bench.py builds every flash_triton impl (pins included) without a GPU;
+    its timing loop itself needs CUDA, and says so."""
+    from experiments import attention_bench as bench
+    assert {"flash_triton", "flash_triton_atomic", "flash_triton_fused"} <= set(bench.ALL_IMPLS)
+    monkeypatch.setattr(ft, "_PINNED", {})
+    q, k, v = make_qkv((1, 1, 40, 16), 40, torch.float32)
+    grads = []
+    for name in ("flash_triton", "flash_triton_fused", "flash_triton_fused@fused=16x16x4x1"):
+        fn = bench.make_impl(name)
+        grads.append(torch.autograd.grad(fn(q, k, v).sum(), (q, k, v)))
+        if "@" in name:
+            assert ft._PINNED == {"fused": (16, 16, 4, 1)}
+    for g in grads[1:]:
+        assert max((a - b).abs().max().item() for a, b in zip(g, grads[0])) < SAME_TOL
+    with pytest.raises(ValueError, match="unknown impl"):
+        bench.make_impl("flash_triton_split")
+    if not CUDA:
+        assert bench.main(["--preset", "quick", "--impls", "flash_triton_fused"]) == 2
+
+
 def test_triton_refuses_cpu_without_interpreter(monkeypatch):
     monkeypatch.setattr(ft, "INTERPRET", False)
     q = torch.randn(1, 1, 8, 16)
@@ -232,7 +343,7 @@ def test_triton_refuses_cpu_without_interpreter(monkeypatch):
 
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("fn_cls", [FlashAttentionTriton, FlashAttentionTritonAtomicDQ], ids=["two_pass", "atomic_dq"])
+@BWD_CLASSES
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_larger_shapes(dtype, fn_cls):
     torch.manual_seed(6)
