@@ -27,7 +27,7 @@ may overlap the next forward); ms/step is the median GPU time between consecutiv
 events; wall clock on the CPU). Communication (comm_ms, exposed) is the mean over 3 extra back-to-back
 steps with the strategy's timer on, so the timed steps carry no extra syncs. "Over all steps" is the peak
 before those 3 steps; "with comm timer on" includes them: the timer holds each NCCL work until the GPU has
-finished it, and a work holds its tensors, so with FSDP it raises the peak (by 0.4-2 GiB on xl).
+finished it, and a work holds its tensors, so with FSDP it raises the peak (by 0.4-3.3 GiB on xl).
 `--repeat N` runs the row list N times round-robin; machines drift within minutes (torch FSDP2 measured 152
 then 174 ms on one host), so a ratio of medians over interleaved repeats is the one to trust.
 Prints and writes (`--out`) one markdown table plus the per-rank memory accounting of CS336 6a.
