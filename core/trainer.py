@@ -30,7 +30,7 @@ from core.checkpoint import Checkpointer
 from core.data import TokenSource
 from core.distributed.mesh import ParallelMesh
 from core.distributed.strategy import Strategy
-from core.errors import ConfigError, require
+from core.errors import require
 from core.loggers import JsonlLogger, Logger, LoggerGroup
 from core.metrics import (FlopCounter, memory_stats, model_flops_per_token, peak_flops, peak_memory_gib,
                           recompute_flops_per_token, reset_peak_memory)
@@ -341,7 +341,6 @@ def _train_loop(run: Run) -> dict[str, Any]:
     reset_peak_memory(run.device)
     try:
         while step < tcfg.max_steps:
-            t0 = time.perf_counter()
             is_log = (step + 1) % tcfg.log_every == 0 or step == start_step or step + 1 == tcfg.max_steps
             run.strategy.measure_communication(is_log)
             start = _step_mark(run.device)

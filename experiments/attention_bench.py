@@ -315,8 +315,8 @@ def main(argv=None) -> int:
         out += ["\n### correctness (flash_triton backward variants vs float64; outputs poisoned with NaN first)\n"]
         print("\n".join(out), flush=True)
         # the backward variants being benchmarked (the default one always)
-        variants = ["flash_triton"] + [v for v in ("flash_triton_atomic", "flash_triton_fused")
-                                       if any(i.partition("@")[0] == v for i in impls)]
+        asked = {i.partition("@")[0] for i in impls}
+        variants = [v for v in TRITON_CLASSES if v == "flash_triton" or v in asked]
         out += check_correctness(variants=tuple(variants))
         print(out[-1], flush=True)
 
