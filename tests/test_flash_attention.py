@@ -366,3 +366,15 @@ def test_gpu_memory_linear_in_sequence():
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - base)
     assert peaks[1] < 2.5 * peaks[0]  # quadratic would be ~4x
+
+
+@needs_triton
+@BWD_CLASSES
+def test_expanded_kv_overlapping_layout(fn_cls):
+    """k and v expanded over heads (stride 0, as grouped-query attention can pass them) and an expanded q:
+    the kernels write outputs with their operand's strides, so such operands must be copied, not aliased."""
+    torch.manual_seed(8)
+    q = torch.randn(1, 1, 40, 16, device=DEVICE).expand(2, 3, 40, 16).requires_grad_()
+    k = torch.randn(2, 1, 33, 16, device=DEVICE).expand(2, 3, 33, 16).requires_grad_()
+    v = torch.randn(2, 1, 33, 16, device=DEVICE).expand(2, 3, 33, 16).requires_grad_()
+    check_against_reference(fn_cls.apply, q, k, v, True, TOL[torch.float32])

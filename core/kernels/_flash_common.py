@@ -29,6 +29,14 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
 
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, who: str) -> None:
     """Raise a one-line ConfigError for anything the kernels do not support."""
+    try:  # the common case in one expression: this runs on every attention call (host-bound when short)
+        qs, ks = q.shape, k.shape
+        if (len(qs) >= 2 and ks == v.shape and qs[:-2] == ks[:-2] and ks[-1] == qs[-1]
+                and qs[-1] in SUPPORTED_HEAD_DIMS and qs[-2] > 0 and ks[-2] > 0
+                and q.dtype in SUPPORTED_DTYPES and q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
+            return
+    except AttributeError:  # not tensors: the checks below say which
+        pass
     key = f"{who}.inputs"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):

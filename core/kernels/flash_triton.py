@@ -12,8 +12,9 @@ Kernels (plain pointer arithmetic, so the same source runs on Triton 3.6 and 3.9
 - backward, two passes (no atomics): `_bwd_dq_kernel` computes delta = rowsum(dO * O)
   for its query tile, stores it, and accumulates dQ over key tiles; `_bwd_dkdv_kernel`
   then holds one key tile and accumulates dK and dV over the query tiles that see it.
-  `FlashAttentionTritonAtomicDQ`: one dK/dV pass that also atomically adds dS K into an fp32
-  dQ buffer (5 tile matmuls, not 7); measured slower on an H100 (docs/attention.md, run 6).
+  `FlashAttentionTritonAtomicDQ`: one dK/dV pass that also adds dS K into an fp32 dQ buffer
+  (5 tile matmuls, not 7); on Hopper each dQ tile goes in one bulk tensor reduction (TMA engine),
+  elsewhere per-element atomics. Level with two-pass on an H100 (docs/attention.md, run 8).
   `FlashAttentionTritonFusedBwd`: one fused kernel `_bwd_fused_kernel`, grid (tiles, batch x heads),
   program i doing dK/dV of key tile i AND dQ of query tile i (causal: n - i + i + 1 tile steps each,
   so the critical path is ~n steps in one launch instead of ~2n in two); delta recomputed from O in
@@ -131,11 +132,10 @@ if HAVE_TRITON:
     # SEQ_CLASS is a tuning key only and n_heads only divides program ids: neither is specialized, so a
     # new sequence class or head count (1 vs 16) reuses the compiled kernel
     @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
-    def _fwd_kernel(Q, K, V, O, LSE,
+    def _fwd_kernel(Q, K, V, O, LSE,  # O is laid out like Q (same strides: fewer arguments per launch)
                     stride_qz, stride_qh, stride_qm,
                     stride_kz, stride_kh, stride_kn,
                     stride_vz, stride_vh, stride_vn,
-                    stride_oz, stride_oh, stride_om,
                     n_heads, n_q, n_k, causal_off, qk_scale, SEQ_CLASS,
                     IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -147,7 +147,7 @@ if HAVE_TRITON:
         q_base = Q + off_z * stride_qz + off_h * stride_qh
         k_base = K + off_z * stride_kz + off_h * stride_kh
         v_base = V + off_z * stride_vz + off_h * stride_vh
-        o_base = O + off_z * stride_oz + off_h * stride_oh
+        o_base = O + off_z * stride_qz + off_h * stride_qh
 
         start_m = pid_m * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -178,7 +178,7 @@ if HAVE_TRITON:
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
-        _store_rows(o_base + offs_m[:, None] * stride_om + offs_d[None, :], out.to(O.dtype.element_ty),
+        _store_rows(o_base + offs_m[:, None] * stride_qm + offs_d[None, :], out.to(O.dtype.element_ty),
                     offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
         lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # natural log; -inf where nothing seen
         tl.store(LSE + pid_zh.to(tl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
@@ -262,13 +262,11 @@ if HAVE_TRITON:
     # SEQ_CLASS is a tuning key only and n_heads only divides program ids: neither is specialized, so a
     # new sequence class or head count (1 vs 16) reuses the compiled kernel
     @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
-    def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA,
+    def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA,  # O and DQ are laid out like Q
                        stride_qz, stride_qh, stride_qm,
                        stride_kz, stride_kh, stride_kn,
                        stride_vz, stride_vh, stride_vn,
-                       stride_oz, stride_oh, stride_om,
                        stride_doz, stride_doh, stride_dom,
-                       stride_dqz, stride_dqh, stride_dqm,
                        n_heads, n_q, n_k, causal_off, qk_scale, sm_scale, SEQ_CLASS,
                        IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -278,8 +276,8 @@ if HAVE_TRITON:
         off_h = (pid_zh % n_heads).to(tl.int64)
         _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, DELTA, pid_zh, off_z, off_h, pid_m * BLOCK_M,
                      stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
-                     stride_vz, stride_vh, stride_vn, stride_oz, stride_oh, stride_om,
-                     stride_doz, stride_doh, stride_dom, stride_dqz, stride_dqh, stride_dqm,
+                     stride_vz, stride_vh, stride_vn, stride_qz, stride_qh, stride_qm,
+                     stride_doz, stride_doh, stride_dom, stride_qz, stride_qh, stride_qm,
                      n_q, n_k, causal_off, qk_scale, sm_scale,
                      IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True)
 
@@ -289,7 +287,7 @@ if HAVE_TRITON:
                         offs_n, offs_m0, offs_d, lo, hi, n_q, causal_off, qk_scale,
                         MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                        DELTA_FROM_O: tl.constexpr):
+                        DELTA_FROM_O: tl.constexpr, dq_desc, DQ_TMA: tl.constexpr):
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_m0
             q = _load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, n_q, offs_d,
@@ -327,7 +325,12 @@ if HAVE_TRITON:
                 # instead of the two-pass scheme's 7 (it recomputes S and dP for dQ)
                 dq_part = _mm(tl.trans(ds_t.to(k.dtype)), k) * sm_scale
                 dq_ptrs = dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :]
-                if MASKED or BLOCK_D != HEAD_DIM:
+                if DQ_TMA:
+                    # Hopper: one bulk tensor reduction (TMA engine, fp32 add in L2) per tile instead of
+                    # BLOCK_M x d per-element atomics; rows >= n_q and columns >= d are clipped by the
+                    # descriptor's shape
+                    dq_desc.atomic_add([start_m, 0], dq_part)
+                elif MASKED or BLOCK_D != HEAD_DIM:
                     tl.atomic_add(dq_ptrs, dq_part, mask=(offs_m[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM),
                                   sem="relaxed")
                 else:
@@ -346,7 +349,7 @@ if HAVE_TRITON:
                        n_q, n_k, causal_off, qk_scale, sm_scale,
                        IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                       DELTA_FROM_O: tl.constexpr):
+                       DELTA_FROM_O: tl.constexpr, DQ_TMA: tl.constexpr):
         """dK, dV of the BLOCK_N keys from start_n: one walk over the query tiles that see them, in three
         ranges (masked diagonal, unmasked, masked ragged end). delta comes from DELTA, or is recomputed
         from O per query tile (DELTA_FROM_O); O / DELTA / DQ_ACC are only read when used."""
@@ -356,6 +359,11 @@ if HAVE_TRITON:
         lse_base = LSE + pid_zh.to(tl.int64) * n_q
         delta_base = DELTA + pid_zh.to(tl.int64) * n_q
         dq_base = DQ_ACC + pid_zh.to(tl.int64) * n_q * HEAD_DIM  # contiguous (Z*H, N_q, d) fp32
+        if ATOMIC_DQ and DQ_TMA:  # this head's (N_q, d) slice of the fp32 dQ buffer, for bulk reductions
+            dq_desc = tl.make_tensor_descriptor(dq_base, shape=[n_q, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                                block_shape=[BLOCK_M, BLOCK_D])
+        else:
+            dq_desc = dq_base  # unused
 
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_m0 = tl.arange(0, BLOCK_M)
@@ -381,15 +389,16 @@ if HAVE_TRITON:
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, o_base, stride_qm, stride_dom, stride_om,
                                  lse_base, delta_base, dq_base, HEAD_DIM, sm_scale,
                                  offs_n, offs_m0, offs_d, lo, full_lo, n_q, causal_off, qk_scale,
-                                 True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ, DELTA_FROM_O)
+                                 True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ, DELTA_FROM_O, dq_desc, DQ_TMA)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, o_base, stride_qm, stride_dom, stride_om,
                                  lse_base, delta_base, dq_base, HEAD_DIM, sm_scale,
                                  offs_n, offs_m0, offs_d, full_lo, m_full, n_q, causal_off, qk_scale,
-                                 False, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ, DELTA_FROM_O)
+                                 False, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ, DELTA_FROM_O, dq_desc, DQ_TMA)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, o_base, stride_qm, stride_dom, stride_om,
                                  lse_base, delta_base, dq_base, HEAD_DIM, sm_scale,
                                  offs_n, offs_m0, offs_d, tl.maximum(full_lo, m_full), m_pad, n_q, causal_off,
-                                 qk_scale, True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ, DELTA_FROM_O)
+                                 qk_scale, True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ, DELTA_FROM_O,
+                                 dq_desc, DQ_TMA)
         dk = dk * sm_scale
         _store_rows(DK + off_z * stride_dkz + off_h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
                     dk.to(DK.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
@@ -399,16 +408,15 @@ if HAVE_TRITON:
     # SEQ_CLASS is a tuning key only and n_heads only divides program ids: neither is specialized, so a
     # new sequence class or head count (1 vs 16) reuses the compiled kernel
     @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
-    def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC,
+    def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC,  # DK, DV are laid out like K, V
                          stride_qz, stride_qh, stride_qm,
                          stride_kz, stride_kh, stride_kn,
                          stride_vz, stride_vh, stride_vn,
                          stride_doz, stride_doh, stride_dom,
-                         stride_dkz, stride_dkh, stride_dkn,
-                         stride_dvz, stride_dvh, stride_dvn,
                          n_heads, n_q, n_k, causal_off, qk_scale, sm_scale, SEQ_CLASS,
                          IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                         DQ_TMA: tl.constexpr):
         pid_zh = tl.program_id(0)
         pid_n = tl.program_id(1)  # causal: early key tiles are seen by the most queries: first
         off_z = (pid_zh // n_heads).to(tl.int64)
@@ -417,10 +425,10 @@ if HAVE_TRITON:
         _bwd_dkdv_tile(Q, K, V, DELTA, DO, DK, DV, LSE, DELTA, DQ_ACC, pid_zh, off_z, off_h, pid_n * BLOCK_N,
                        stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                        stride_vz, stride_vh, stride_vn, 0, 0, 0,
-                       stride_doz, stride_doh, stride_dom, stride_dkz, stride_dkh, stride_dkn,
-                       stride_dvz, stride_dvh, stride_dvn,
+                       stride_doz, stride_doh, stride_dom, stride_kz, stride_kh, stride_kn,
+                       stride_vz, stride_vh, stride_vn,
                        n_q, n_k, causal_off, qk_scale, sm_scale,
-                       IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, ATOMIC_DQ, False)
+                       IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, ATOMIC_DQ, False, DQ_TMA)
 
     # Fused backward: ONE launch, grid (tiles, batch x heads). Program i does
     #   (a) dK, dV of key tile i (BLOCK_N keys), walking the query tiles that see it, and
@@ -433,15 +441,11 @@ if HAVE_TRITON:
     # they are equal, which the config list keeps). delta = rowsum(dO * O) is recomputed from the O
     # and dO tiles wherever it is needed (no preprocessing launch, no delta buffer): fwd + bwd = 2 launches.
     @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
-    def _bwd_fused_kernel(Q, K, V, O, DO, DQ, DK, DV, LSE,
+    def _bwd_fused_kernel(Q, K, V, O, DO, DQ, DK, DV, LSE,  # O, DQ laid out like Q; DK like K; DV like V
                           stride_qz, stride_qh, stride_qm,
                           stride_kz, stride_kh, stride_kn,
                           stride_vz, stride_vh, stride_vn,
-                          stride_oz, stride_oh, stride_om,
                           stride_doz, stride_doh, stride_dom,
-                          stride_dqz, stride_dqh, stride_dqm,
-                          stride_dkz, stride_dkh, stride_dkn,
-                          stride_dvz, stride_dvh, stride_dvn,
                           n_heads, n_q, n_k, causal_off, qk_scale, sm_scale, SEQ_CLASS,
                           IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -453,17 +457,17 @@ if HAVE_TRITON:
         if start_n < n_k:  # (a) key tile pid; LSE stands in for the unused DELTA / DQ_ACC
             _bwd_dkdv_tile(Q, K, V, O, DO, DK, DV, LSE, LSE, LSE, pid_zh, off_z, off_h, start_n,
                            stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
-                           stride_vz, stride_vh, stride_vn, stride_oz, stride_oh, stride_om,
-                           stride_doz, stride_doh, stride_dom, stride_dkz, stride_dkh, stride_dkn,
-                           stride_dvz, stride_dvh, stride_dvn,
+                           stride_vz, stride_vh, stride_vn, stride_qz, stride_qh, stride_qm,
+                           stride_doz, stride_doh, stride_dom, stride_kz, stride_kh, stride_kn,
+                           stride_vz, stride_vh, stride_vn,
                            n_q, n_k, causal_off, qk_scale, sm_scale,
-                           IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, True)
+                           IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, True, False)
         start_m = pid * BLOCK_M
         if start_m < n_q:  # (b) query tile pid (its delta computed in place, not stored)
             _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, LSE, pid_zh, off_z, off_h, start_m,
                          stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
-                         stride_vz, stride_vh, stride_vn, stride_oz, stride_oh, stride_om,
-                         stride_doz, stride_doh, stride_dom, stride_dqz, stride_dqh, stride_dqm,
+                         stride_vz, stride_vh, stride_vn, stride_qz, stride_qh, stride_qm,
+                         stride_doz, stride_doh, stride_dom, stride_qz, stride_qh, stride_qm,
                          n_q, n_k, causal_off, qk_scale, sm_scale,
                          IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
 
@@ -493,6 +497,9 @@ if HAVE_TRITON:
     _FWD_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3)]
     _DQ_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3), _cfg(64, 32, 4, 2)]
     _DKDV_CONFIGS = [_cfg(32, 128, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3), _cfg(32, 64, 4, 2)]
+    # atomic dQ: every (key tile, query tile) pair adds a BLOCK_M x d fp32 tile into dQ, so 128-key tiles
+    # halve the reduction traffic of 64-key ones
+    _DKDV_ATOMIC_CONFIGS = [_cfg(64, 128, 8, 2), _cfg(32, 128, 4, 3), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 2)]
     # fused backward: square tiles only (program i owns key tile i and query tile i: equal sizes keep
     # the causal work per program constant); 32x32 doubles the programs when batch x heads is small.
     # No 128x128: compiled offline for sm_90 (Triton 3.9) it spills at d=64 already (255 registers +
@@ -541,7 +548,7 @@ if HAVE_TRITON:
     _dq_tuned = _autotune(_DQ_CONFIGS, _bwd_dq_kernel)
     _dkdv_tuned = _autotune(_DKDV_CONFIGS, _bwd_dkdv_kernel)
     # its own tuner (own cache): atomics make every timed trial add into dQ, so the buffer is re-zeroed
-    _dkdv_atomic_tuned = _autotune(_DKDV_CONFIGS, _bwd_dkdv_kernel, reset_to_zero=["DQ_ACC"])
+    _dkdv_atomic_tuned = _autotune(_DKDV_ATOMIC_CONFIGS, _bwd_dkdv_kernel, reset_to_zero=["DQ_ACC"])
     # every trial overwrites all of dQ, dK, dV (no accumulation across launches): nothing to reset
     _fused_tuned = _autotune(_FUSED_CONFIGS, _bwd_fused_kernel)
 
@@ -629,6 +636,39 @@ def _launch(name: str, tuned, raw, zh: int, n_rows: int, args: tuple,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **constexprs)
 
 
+_TMA_BY_DEVICE: dict[int, bool] = {}
+
+
+def _has_tma(device: torch.device) -> bool:
+    """Whether the atomic-dQ backward reduces dQ tiles with Hopper's bulk tensor reductions (sm_90+, compiled;
+    the CPU interpreter has no descriptor reductions and keeps per-element atomics)."""
+    if INTERPRET or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    has = _TMA_BY_DEVICE.get(index)
+    if has is None:
+        has = _TMA_BY_DEVICE[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return has
+
+
+def _torch_scratch(size: int, alignment: int, stream) -> Tensor:
+    """Global scratch for kernels that build tensor descriptors on the device (128 B per program),
+    from PyTorch's caching allocator (blocks are 512-byte aligned, more than TMA's 128)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_scratch_allocator() -> None:
+    """Give Triton an allocator for device-side descriptors unless the caller set one. Triton keeps it in a
+    ContextVar, i.e. per thread: autograd's backward runs on its own thread, so this is checked per launch."""
+    try:
+        from triton.runtime import _allocation
+        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):  # another Triton layout: set ours
+        pass
+    triton.set_allocator(_torch_scratch)
+
+
 def _to_4d(x: Tensor) -> Tensor:
     """View (..., N, d) as (Z, H, N, d), copying only if the leading dims cannot be merged."""
     nd = x.dim()
@@ -649,7 +689,7 @@ def _check_runtime(q: Tensor) -> None:
     if not HAVE_TRITON:
         raise ConfigError("attention_impl.kernel", "Triton is not installed",
                           "pip install triton, or use attention_impl=flash_torch")
-    if not INTERPRET and q.device.type != "cuda":
+    if not INTERPRET and not q.is_cuda:
         raise ConfigError("attention_impl.kernel", f"flash_triton got {q.device.type} tensors and Triton "
                           "runs on CUDA only", "move the model to a GPU, set TRITON_INTERPRET=1 before "
                           "importing triton (slow), or use attention_impl=flash_torch")
@@ -667,10 +707,13 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Te
     z, h, n_q, d = q.shape
     n_k = k.shape[2]
     o = _alloc_like(q)
+    sq, sk, sv = q.stride(), k.stride(), v.stride()
+    if o.stride() != sq:  # q overlaps itself (e.g. expanded): the kernel writes O with Q's strides
+        q = q.contiguous()
+        sq = q.stride()
     lse = torch.full((z, h, n_q), float("nan"), device=q.device, dtype=torch.float32) if POISON_OUTPUTS \
         else torch.empty((z, h, n_q), device=q.device, dtype=torch.float32)
-    sq, sk, sv, so = q.stride(), k.stride(), v.stride(), o.stride()
-    args = (q, k, v, o, lse, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
+    args = (q, k, v, o, lse, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
             h, n_q, n_k, n_k - n_q if is_causal else 0, LOG2E / math.sqrt(d), _seq_class(max(n_q, n_k), z * h))
     _launch("fwd", _fwd_tuned if not INTERPRET else None, _fwd_kernel, z * h, n_q, args,
             is_causal, d, _BLOCK_D[d], args[-1], q.dtype)
@@ -711,8 +754,8 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
 
     bwd_variant 0 / "two_pass": two passes (dQ kernel, then dK/dV kernel), 7 tile matmuls, no atomics.
     1 / "atomic_dq" (or True, the old atomic_dq flag): one dK/dV pass that also adds each key tile's
-    dS K into an fp32 dQ buffer with atomics (5 matmuls; a small kernel computes rowsum(dO * O)
-    first); dQ is cast from the buffer.
+    dS K into an fp32 dQ buffer (5 matmuls; a small kernel computes rowsum(dO * O) first): one TMA bulk
+    reduction per tile on sm_90+, per-element atomics elsewhere; dQ is cast from the buffer.
     2 / "fused": one kernel, program i doing dK/dV of key tile i and dQ of query tile i (7 matmuls,
     delta recomputed from O in place, no atomics, one launch, critical path ~n tile steps, not ~2n)."""
     _check_runtime(q)
@@ -723,18 +766,28 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     n_k = k.shape[2]
     if variant == BWD_FUSED and z * h > _MAX_GRID_Y:  # the fused grid's dim 1 is batch x heads
         variant = BWD_TWO_PASS
+    # the kernels address O and dQ with Q's strides, dK with K's and dV with V's (fewer launch arguments):
+    # outputs are allocated like their operand, and an operand whose layout empty_like does not keep
+    # (one that overlaps itself, e.g. an expanded K of grouped-query attention) is made contiguous first
     dq, dk, dv = _alloc_like(q), _alloc_like(k), _alloc_like(v)
+    sq, sk, sv, sdo = q.stride(), k.stride(), v.stride(), do.stride()
+    if dq.stride() != sq or o.stride() != sq:
+        q, o = q.contiguous(), o.contiguous()
+        dq = _alloc_like(q)
+        sq = q.stride()
+    if dk.stride() != sk:
+        k = k.contiguous()
+        sk = k.stride()
+    if dv.stride() != sv:
+        v = v.contiguous()
+        sv = v.stride()
     block_d = _BLOCK_D[d]
     causal_off = n_k - n_q if is_causal else 0
     sm_scale = 1.0 / math.sqrt(d)
     seq_class = _seq_class(max(n_q, n_k), z * h)
-    sq, sk, sv, so, sdo = q.stride(), k.stride(), v.stride(), o.stride(), do.stride()
-    sdk, sdv = dk.stride(), dv.stride()
     if variant == BWD_FUSED:  # one launch, no delta buffer
-        sdq = dq.stride()
         args = (q, k, v, o, do, dq, dk, dv, lse,
-                sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
-                sdo[0], sdo[1], sdo[2], sdq[0], sdq[1], sdq[2], sdk[0], sdk[1], sdk[2], sdv[0], sdv[1], sdv[2],
+                sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
                 h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
         _launch("fused", _fused_tuned if not INTERPRET else None, _bwd_fused_kernel, z * h, n_q, args,
                 is_causal, d, block_d, seq_class, q.dtype, n_k=n_k)
@@ -742,25 +795,25 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     atomic_dq = variant == BWD_ATOMIC_DQ
     delta = torch.empty((z, h, n_q), device=q.device, dtype=torch.float32)
     if atomic_dq:  # delta first; the dK/dV pass then adds dS K into an fp32 buffer
-        _bwd_delta_kernel[(z * h, _cdiv(n_q, 64))](o, do, delta, so[0], so[1], so[2], sdo[0], sdo[1], sdo[2],
+        _bwd_delta_kernel[(z * h, _cdiv(n_q, 64))](o, do, delta, sq[0], sq[1], sq[2], sdo[0], sdo[1], sdo[2],
                                                   h, n_q, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=64)
         dq_acc = torch.zeros((z, h, n_q, d), device=q.device, dtype=torch.float32)
     else:  # the dQ pass (it also computes and stores delta)
-        sdq = dq.stride()
         dq_args = (q, k, v, o, do, dq, lse, delta,
-                   sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
-                   sdo[0], sdo[1], sdo[2], sdq[0], sdq[1], sdq[2],
+                   sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
                    h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
         _launch("dq", _dq_tuned if not INTERPRET else None, _bwd_dq_kernel, z * h, n_q, dq_args,
                 is_causal, d, block_d, seq_class, q.dtype)
         dq_acc = delta  # DQ_ACC is not touched without atomics
     dkdv_args = (q, k, v, do, dk, dv, lse, delta, dq_acc,
                  sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
-                 sdk[0], sdk[1], sdk[2], sdv[0], sdv[1], sdv[2],
                  h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
     name, tuned = ("dkdv_atomic", _dkdv_atomic_tuned) if atomic_dq else ("dkdv", _dkdv_tuned)
+    dq_tma = atomic_dq and _has_tma(q.device)
+    if dq_tma:
+        _ensure_scratch_allocator()
     _launch(name, tuned if not INTERPRET else None, _bwd_dkdv_kernel, z * h, n_k, dkdv_args,
-            is_causal, d, block_d, seq_class, q.dtype, ATOMIC_DQ=atomic_dq)
+            is_causal, d, block_d, seq_class, q.dtype, ATOMIC_DQ=atomic_dq, DQ_TMA=dq_tma)
     if atomic_dq:
         dq.copy_(dq_acc)
     return dq, dk, dv
