@@ -13,6 +13,8 @@ forwards `forward`, skips parameters that do not require grad, counts tied param
 micro-step of gradient accumulation (`no_sync()` around the others).
 A bucket holding a single parameter is reduced in place on the gradient (no copy); a bucket of
 several copies them into one flat buffer and afterwards leaves each `.grad` as a view into it.
+`ddp_bucketed` can also run the Linear layers on bf16 copies of their parameters that it makes itself
+(`compute_dtype`), so their gradients arrive, and are all-reduced, in bf16.
 """
 from __future__ import annotations
 
@@ -120,11 +122,12 @@ class FlatDDP(DataParallel):
 
 
 class _Bucket:
-    __slots__ = ("params", "offsets", "numel", "buffer", "remaining", "work", "index")
+    __slots__ = ("params", "offsets", "numel", "buffer", "remaining", "work", "index", "cast")
 
-    def __init__(self, params: list[nn.Parameter], index: int) -> None:
-        self.params = params
+    def __init__(self, params: list[torch.Tensor], index: int, cast: bool) -> None:
+        self.params = params  # gradient sources: parameters, or the compute-dtype leaves standing in for them
         self.index = index
+        self.cast = cast      # holds leaves: the reduced gradients belong to their fp32 parameters
         self.offsets, n = [], 0
         for p in params:
             self.offsets.append(n)
@@ -135,12 +138,33 @@ class _Bucket:
         self.work = None
 
 
+def _compute_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    if name is None:
+        return None
+    require(name in ("bfloat16", "bf16"), "parallelism.compute_dtype", f"unsupported {name!r}",
+            "use bfloat16 (with precision=bf16) or null")
+    return torch.bfloat16
+
+
+def _linear_params(module: nn.Module) -> set[int]:
+    """ids of parameters registered only in modules whose forward is `nn.Linear.forward` (F.linear, which
+    autocast runs in its low-precision dtype). A parameter also registered elsewhere (a weight tied to an
+    embedding, which autocast does not cast) is left out: a low-precision copy would change its numerics."""
+    linear, other = set(), set()
+    for m in module.modules():
+        uses_f_linear = isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+        for p in m._parameters.values():
+            if p is not None:
+                (linear if uses_f_linear else other).add(id(p))
+    return linear - other
+
+
 class BucketedDDP(DataParallel):
     """Asynchronous all-reduce of gradient buckets launched from post-accumulate-grad hooks.
 
     bucket_size_mb        bucket capacity (a larger parameter gets a bucket of its own, reduced in place)
-    first_bucket_size_mb  capacity of the first bucket to become ready, kept small so communication
-                          starts early in backward
+    first_bucket_size_mb  capacity of the first bucket (of each gradient dtype) to become ready, kept small
+                          so communication starts early in backward
     comm_dtype            None (default): reduce in the gradient's dtype. fp32: the result is the fp32
                           sum of the ranks' gradients (only summation order differs from one process).
                           "bfloat16": halves the bytes on the wire and the SM/HBM time NCCL takes from
@@ -154,11 +178,40 @@ class BucketedDDP(DataParallel):
                           tested); round-to-nearest, so unbiased on average. Optimizer state and master
                           weights stay fp32; the default fp32 path is exact up to summation order.
                           Costs a persistent bf16 buffer of all gradients (half the fp32 gradient bytes).
+    compute_dtype         None (default): autocast casts the Linear weights in the forward; the backward of
+                          that cast widens their bf16 gradients to fp32, which are then reduced in fp32.
+                          "bfloat16" (needs bf16 autocast around the forward, i.e. precision=bf16): the
+                          wrapper makes the bf16 copies itself. Cast parameters: every trainable parameter
+                          of a module whose forward is `nn.Linear.forward` (F.linear), unless also
+                          registered in another module (a weight tied to an embedding, which autocast does
+                          not cast, stays on the fp32 path). Each has a persistent bf16 leaf; a synced
+                          forward refreshes the leaves (one multi-tensor cast) and runs the module with
+                          them in the parameters' places. Autocast does not re-cast bf16 tensors, so the
+                          forward is bitwise autocast's. The gradients arrive in bf16, fill bf16 buckets, are
+                          all-reduced in bf16 (half the bytes, no cast kernels) and only then widened, in one
+                          multi-tensor pass, into the fp32 `.grad` of the parameter (overwritten; averaged in
+                          fp32 where the op has no AVG). Numerics: each rank's gradient is exactly autocast's
+                          bf16 gradient before widening; each of the world-1 additions of the all-reduce
+                          rounds to bf16 (2 ranks: the average is within 2^-8 relative per element of the
+                          fp32 mean of the same bf16 gradients; tested bitwise against R(g_0 + g_1) / 2).
+                          Master weights and optimizer state stay fp32.
+                          Accumulation: micro-steps under `no_sync()` take autocast's own path, so their
+                          gradients accumulate in the fp32 `.grad` exactly as in one process; the synced
+                          micro-step adds its bf16 gradient there and rounds the sum to bf16 once before the
+                          all-reduce (so does a `.grad` not zeroed since the last step). The forward picks
+                          the path (`no_sync()` around it); a backward run outside that state still ends with
+                          the same gradients. One synced forward per backward: a second one refreshes the
+                          leaves the first one's graph saved, and autograd raises.
+                          On one rank, and without grad (evaluation), the forward is autocast's own.
+                          Activation checkpointing: the recomputation runs on the fp32 parameters and casts
+                          them again (as without this option); the gradients still reach the leaves.
+                          Costs a persistent bf16 copy of the cast parameters (half their fp32 bytes).
     """
 
     def __init__(self, module: nn.Module, process_group: Optional[dist.ProcessGroup] = None,
                  timer: Optional[CommTimer] = None, bucket_size_mb: float = 25.0,
-                 first_bucket_size_mb: Optional[float] = 1.0, comm_dtype: Optional[str] = None) -> None:
+                 first_bucket_size_mb: Optional[float] = 1.0, comm_dtype: Optional[str] = None,
+                 compute_dtype: Optional[str] = None) -> None:
         super().__init__(module, process_group, timer)
         require(bucket_size_mb >= 0, "parallelism.bucket_size_mb", f"must be >= 0, got {bucket_size_mb}",
                 "set a bucket size in MB (0: one parameter per bucket)")
@@ -166,44 +219,106 @@ class BucketedDDP(DataParallel):
         self.first_bucket_bytes = self.bucket_bytes if first_bucket_size_mb is None else \
             min(self.bucket_bytes, int(first_bucket_size_mb * 2**20))
         self.comm_dtype = getattr(torch, comm_dtype) if isinstance(comm_dtype, str) else comm_dtype
-        self._ready_order: Optional[list[nn.Parameter]] = []  # recorded on the first synced backward
+        self.compute_dtype = _compute_dtype(compute_dtype)
+        require(self.compute_dtype is None or self.comm_dtype in (None, self.compute_dtype), "parallelism.comm_dtype",
+                f"{comm_dtype} differs from compute_dtype={compute_dtype}, whose gradients are reduced in it",
+                "set parallelism.comm_dtype=null (or equal to parallelism.compute_dtype)")
+        self._init_leaves()
+        self._sources = [self._leaf.get(id(p), p) for p in self.params]  # whose .grad each hook sees
+        self._ready_order: Optional[list[torch.Tensor]] = []  # recorded on the first synced backward
         self._launched: list[_Bucket] = []
         self._next_bucket = 0  # buckets launch in index order; this is the next one to go
-        self._build_buckets(list(reversed(self.params)))
+        self._build_buckets(list(reversed(self._sources)))
         # A parameter's hooks live in C++ (its autograd metadata), where Python's collector cannot see them:
         # a hook holding this wrapper would keep wrapper, model and process group alive forever.
         on_grad_ready = weakref.WeakMethod(self._on_grad_ready)
-        self._hooks = [p.register_post_accumulate_grad_hook(lambda p: on_grad_ready()(p)) for p in self.params]
+        self._hooks = [s.register_post_accumulate_grad_hook(lambda s: on_grad_ready()(s)) for s in self._sources]
 
-    def _build_buckets(self, order: list[nn.Parameter]) -> None:
-        self.buckets: list[_Bucket] = []
-        self._bucket_of: dict[int, _Bucket] = {}
-        cur: list[nn.Parameter] = []
-        cur_bytes = 0
-        for p in order:
-            nbytes = p.numel() * p.element_size()
-            cap = self.first_bucket_bytes if not self.buckets else self.bucket_bytes
-            if cur and (cur_bytes + nbytes > cap or p.dtype != cur[0].dtype or p.device != cur[0].device):
-                self.buckets.append(_Bucket(cur, len(self.buckets)))
-                cur, cur_bytes = [], 0
-            cur.append(p)
-            cur_bytes += nbytes
-        if cur:
-            self.buckets.append(_Bucket(cur, len(self.buckets)))
-        for b in self.buckets:
-            for p in b.params:
-                self._bucket_of[id(p)] = b
+    def _init_leaves(self) -> None:
+        """One persistent compute-dtype leaf per cast parameter, and every module slot it stands in for."""
+        self._leaf: dict[int, torch.Tensor] = {}         # id(parameter) -> its leaf
+        self._master: dict[int, nn.Parameter] = {}       # id(leaf) -> its parameter
+        self._slots: list[tuple[nn.Module, str, torch.Tensor, nn.Parameter]] = []  # (module, name, leaf, param)
+        self._device_type = self.params[0].device.type if self.params else "cpu"
+        linear = _linear_params(self.module) if self.compute_dtype is not None else set()
+        for p in self.params:
+            if id(p) in linear and p.is_floating_point() and p.dtype != self.compute_dtype:
+                leaf = torch.empty_like(p, dtype=self.compute_dtype).requires_grad_()
+                self._leaf[id(p)], self._master[id(leaf)] = leaf, p
+        for m in self.module.modules():
+            for name, p in m._parameters.items():
+                if p is not None and id(p) in self._leaf:
+                    self._slots.append((m, name, self._leaf[id(p)], p))
+        self._leaves = list(self._leaf.values())
+        self._leaf_params = [self._master[id(w)] for w in self._leaves]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compute_dtype is None or not torch.is_grad_enabled():
+            return self.module(*args, **kwargs)
+        dev = self._device_type
+        active = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        require(active == self.compute_dtype, "parallelism.compute_dtype",
+                f"bfloat16 Linear weights need bfloat16 autocast ({dev}) around the forward, found {active or 'none'}",
+                "use precision=bf16, or set parallelism.compute_dtype=null")
+        if self.world == 1 or not self.require_backward_grad_sync or not self._slots:
+            return self.module(*args, **kwargs)  # autocast's own casts: gradients accumulate in fp32 .grad
+        with torch.no_grad():
+            torch._foreach_copy_(self._leaves, self._leaf_params)  # one multi-tensor cast
+        for m, name, leaf, _ in self._slots:
+            m._parameters[name] = leaf
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            for m, name, _, p in self._slots:
+                m._parameters[name] = p
+
+    def _build_buckets(self, order: list[torch.Tensor]) -> None:
+        """Fill buckets along `order` (gradient sources in ready order) with one open bucket per gradient
+        dtype, device and kind (leaf or parameter), so that interleaved kinds (bf16 Linear leaves, fp32 norm
+        weights) do not cut each other's buckets short. Buckets are numbered by when their last member is
+        ready, the order in which they can launch. With one kind this is plain consecutive filling."""
+        open_: dict[tuple, list[torch.Tensor]] = {}
+        held: dict[tuple, int] = {}
+        started: set[tuple] = set()  # kinds whose first (small) bucket is closed
+        groups: list[tuple[bool, list[torch.Tensor]]] = []
+        for s in order:
+            key = (s.dtype, s.device, id(s) in self._master)
+            nbytes = s.numel() * s.element_size()
+            cap = self.bucket_bytes if key in started else self.first_bucket_bytes
+            if key in open_ and held[key] + nbytes > cap:
+                groups.append((key[2], open_.pop(key)))
+                started.add(key)
+            if key not in open_:
+                open_[key], held[key] = [], 0
+            open_[key].append(s)
+            held[key] += nbytes
+        groups += [(key[2], members) for key, members in open_.items()]
+        position = {id(s): i for i, s in enumerate(order)}
+        groups.sort(key=lambda g: position[id(g[1][-1])])
+        self.buckets: list[_Bucket] = [_Bucket(members, i, cast) for i, (cast, members) in enumerate(groups)]
+        self._bucket_of: dict[int, _Bucket] = {id(s): b for b in self.buckets for s in b.params}
 
     def _in_place(self, b: _Bucket) -> bool:
         return len(b.params) == 1 and self.comm_dtype in (None, b.params[0].dtype)
 
     @torch.no_grad()
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
+    def _on_grad_ready(self, s: torch.Tensor) -> None:
+        p = self._master.get(id(s))
         if not self.require_backward_grad_sync or self.world == 1:
+            if p is not None:  # a leaf's forward ran synced, its backward under no_sync: keep it locally
+                if p.grad is None:
+                    p.grad = s.grad.to(p.dtype)
+                else:
+                    p.grad.add_(s.grad)
+                s.grad = None
             return
+        if p is not None and p.grad is not None:
+            # earlier micro-steps (no_sync) accumulated in fp32 .grad, as autocast does: add this one there
+            # and reduce the sum, rounded to the compute dtype once
+            s.grad.copy_(p.grad.add_(s.grad))
         if self._ready_order is not None:
-            self._ready_order.append(p)
-        b = self._bucket_of[id(p)]
+            self._ready_order.append(s)
+        b = self._bucket_of[id(s)]
         b.remaining -= 1
         # Launch strictly in bucket order, as torch's DDP reducer does: NCCL needs every rank to issue
         # collectives in one order, and hooks may fire in a different order on different ranks.
@@ -243,13 +358,28 @@ class BucketedDDP(DataParallel):
             return
         # buckets not launched yet (a parameter got no gradient this step), still in bucket order
         for b in self.buckets[self._next_bucket:]:
+            if b.cast:  # a leaf without gradient whose parameter got one in no_sync micro-steps: reduce that
+                for s in b.params:
+                    p = self._master[id(s)]
+                    if s.grad is None and p.grad is not None:
+                        s.grad = p.grad.to(s.dtype)
             if b.remaining < len(b.params) or any(p.grad is not None for p in b.params):
                 self._launch(b)
         self._next_bucket = 0
         dst, src = [], []  # low-precision buckets: copied back (cast) in one multi-tensor pass at the end
+        widened = []       # parameter gradients written from leaves' reduced ones: averaged after the copy
         for b in self._launched:
             self.timer.wait(b.work)
             b.work = None
+            if b.cast:
+                for s, off in zip(b.params, b.offsets):
+                    p = self._master[id(s)]
+                    if p.grad is None:
+                        p.grad = torch.empty_like(p)
+                    dst.append(p.grad)
+                    src.append(s.grad if self._in_place(b) else b.buffer[off:off + s.numel()].view_as(s))
+                    widened.append(p.grad)
+                continue
             if self._in_place(b):
                 self._scale(b.params[0].grad)
                 continue
@@ -263,22 +393,26 @@ class BucketedDDP(DataParallel):
                     src.append(view)
         if dst:
             torch._foreach_copy_(dst, src)
+        if widened and not self.avg_in_op:
+            torch._foreach_div_(widened, self.world)  # in fp32, after widening: no second bf16 rounding
+        for leaf in self._leaves:
+            leaf.grad = None
         self._launched = []
         for b in self.buckets:
             b.remaining = len(b.params)
         if self._ready_order is not None:
             order, self._ready_order = self._ready_order, None
-            seen = {id(p) for p in order}
-            rest = [p for p in reversed(self.params) if id(p) not in seen]
-            index = {id(p): i for i, p in enumerate(self.params)}
-            new_order = [index[id(p)] for p in order + rest]
+            seen = {id(s) for s in order}
+            rest = [s for s in reversed(self._sources) if id(s) not in seen]
+            index = {id(s): i for i, s in enumerate(self._sources)}
+            new_order = [index[id(s)] for s in order + rest]
             # every rank takes rank 0's observed order, so bucket contents agree even if hook order differed
             box = [new_order]
-            src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-            dist.broadcast_object_list(box, src=src, group=self.process_group)
+            src_rank = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+            dist.broadcast_object_list(box, src=src_rank, group=self.process_group)
             new_order = box[0]
-            if len(new_order) == len(self.params) and new_order != list(reversed(range(len(self.params)))):
-                self._build_buckets([self.params[i] for i in new_order])
+            if len(new_order) == len(self._sources) and new_order != list(reversed(range(len(self._sources)))):
+                self._build_buckets([self._sources[i] for i in new_order])
 
 
 class OverlapDDP(BucketedDDP):
