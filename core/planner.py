@@ -499,6 +499,14 @@ def plan(cfg: DictConfig) -> Plan:
         # weights and keeps no copies of its own. Our fsdp's saved-tensor hook drops gathered weights either way.
         prof = dataclasses.replace(prof, mixed_precision_params=str(par("compute_dtype")) in low or sname == "fsdp")
     grad_comm_bytes = 2 if str(par("reduce_dtype", par("comm_dtype"))) in low else 4
+    # ddp_bucketed / zero1 compute_dtype: the Linear layers run on persistent bf16 copies (autocast then makes
+    # none of its own) and their bf16 gradients are all-reduced as they are
+    bf16_leaves = sname in ("ddp_bucketed", "zero1") and str(par("compute_dtype")) in low and world > 1
+    if bf16_leaves:
+        prof = dataclasses.replace(prof, mixed_precision_params=True)
+        grad_comm_bytes = 2
+    # our fsdp gathers one transformer block per collective (group_by=block) or one weight (group_by=weight)
+    fsdp_blocks = sname == "fsdp" and str(par("group_by", "block")) == "block"
     if world == 1:
         prof = PROFILES["none"] if not prof.persistent_grad_buffer else prof
 
@@ -561,8 +569,10 @@ def plan(cfg: DictConfig) -> Plan:
     gather_b = 0
     gather_dtype_bytes = 2 if str(par("compute_dtype")) in low else 4
     if prof.shard_params and dp > 1:
-        if sname == "fsdp":  # one weight per unit: the running unit + `prefetch` in flight
-            gather_b = gather_dtype_bytes * (int(par("prefetch", 2)) + 1) * max(i * o for _, i, o in lin)
+        if fsdp_blocks:  # the running block (or embedding / lm_head) + `prefetch` in flight
+            gather_b = gather_dtype_bytes * (int(par("prefetch", 1)) + 1) * max(block_params, m.vocab_size * m.d_model)
+        elif sname == "fsdp":  # one weight per unit: the running unit + `prefetch` in flight
+            gather_b = gather_dtype_bytes * (int(par("prefetch", 1)) + 1) * max(i * o for _, i, o in lin)
         else:  # fully_shard per block: current + prefetched block, plus the root's embedding/lm_head
             gather_b = gather_dtype_bytes * (2 * block_params + 2 * m.vocab_size * m.d_model)
     comm_buf = 0
@@ -578,7 +588,7 @@ def plan(cfg: DictConfig) -> Plan:
         if sname == "zero1":
             bmb = float(par("bucket_size_mb", 25.0))
             comm_buf = sum(sum(b) for b in bucket_layout(m, bmb, par("first_bucket_size_mb", 1.0)) if len(b) > 1)
-    static = params_b + opt_b + comm_buf
+    static = params_b + opt_b + comm_buf + (2 * n_lin if bf16_leaves else 0)
     grads_during_fwd = grads_b if accum > 1 else 0
     end_fwd = static + grads_during_fwd + gather_b + max(wcopy_fwd + act, wcopy_saved + act + loss_transient)
     # end of backward: every gradient exists; FSDP's full-size gradient of one block before reduce-scatter
@@ -626,7 +636,7 @@ def plan(cfg: DictConfig) -> Plan:
         if prof.param_comm == "all_gather_after_step":
             colls.append(Collective("all_gather", "parameters", 4 * N, 1))
         elif prof.param_comm == "all_gather_per_layer":
-            units = (len(lin) + 1) if sname == "fsdp" else (m.n_layers + 1)
+            units = (len(lin) + 1) if sname == "fsdp" and not fsdp_blocks else (m.n_layers + 1)
             calls = 2 * units * accum  # forward and backward, every micro-step
             colls.append(Collective("all_gather", "parameters", gather_dtype_bytes * N // units, calls,
                                     overlappable=True))

@@ -13,6 +13,8 @@ so the block scheduler serves compute kernels before the NCCL kernels running be
 step and writes one snapshot per rank to DIR; `python3 experiments/memory_peak.py DIR/*.pickle` lists what
 is alive at each one's peak.
 
+Without `--variant`, a GPU run adds two rows: `ddp_bucketed` and `zero1` with `compute_dtype=bfloat16` (their
+Linear layers' bf16 gradients all-reduced in bf16; opt-in, see docs/data_parallel.md).
 Variants: `--variant STRATEGY:key=value,...` adds a row running STRATEGY with those constructor options
 over its defaults (values: int, float, true/false, null, or a string); an option `env.KEY=VALUE` sets an
 environment variable for that row's worker processes only. `--env KEY=VALUE` (repeatable) applies to
@@ -246,6 +248,11 @@ def _env_pair(text: str) -> tuple[str, str]:
     return key.strip(), val.strip()
 
 
+# Extra rows of every GPU run unless --variant is given: ddp_bucketed and zero1 with the Linear layers' bf16
+# gradients all-reduced as bf16 (docs/data_parallel.md), the configuration that meets the efficiency target.
+DEFAULT_VARIANTS = ("ddp_bucketed:compute_dtype=bfloat16", "zero1:compute_dtype=bfloat16")
+
+
 def parse_variant(text: str) -> dict:
     """`strategy:key=value,...,env.KEY=VALUE` -> {label, strategy, options, env}."""
     name, _, rest = text.partition(":")
@@ -294,8 +301,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--strategies", default=",".join(STRATEGIES),
                     help="default-configuration rows to run (comma-separated; empty: variants only)")
-    ap.add_argument("--variant", action="append", default=[], type=parse_variant, metavar="STRATEGY:k=v,...",
-                    help="an extra row: STRATEGY with these options (env.KEY=VAL: env for that row); repeatable")
+    ap.add_argument("--variant", action="append", default=None, type=parse_variant, metavar="STRATEGY:k=v,...",
+                    help="an extra row: STRATEGY with these options (env.KEY=VAL: env for that row); repeatable. "
+                         "Not given: on the GPU, " + ", ".join(DEFAULT_VARIANTS))
     ap.add_argument("--env", action="append", default=[], type=_env_pair, metavar="KEY=VALUE",
                     help="environment variable for every row's workers; repeatable")
     ap.add_argument("--repeat", type=int, default=1,
@@ -304,6 +312,8 @@ def main() -> None:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu"])
     ap.add_argument("--out", default="dp_bench.md")
     a = ap.parse_args()
+    if a.variant is None:  # the bf16-gradient rows (opt-in options of their strategies) belong to the full table
+        a.variant = [parse_variant(v) for v in DEFAULT_VARIANTS] if a.device != "cpu" else []
     base = {"model": a.model, "B": a.batch, "T": a.seq, "steps": a.steps, "warmup": max(a.warmup, 1),
             "device": a.device}
     common_env = dict(a.env)

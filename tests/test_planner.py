@@ -187,3 +187,20 @@ def test_sharding_and_communication_volumes():
     assert {c.name for c in fsdp.collectives} == {"all_gather", "reduce_scatter"}
     d = fsdp.to_dict()
     assert d["peak_mem_gib"] == pytest.approx(fsdp.peak_bytes / GIB) and "plan:" in fsdp.format()
+
+
+# compute_dtype=bfloat16 rows of docs/results/dp_bench_xl_2xh200_session6.md: ms/step, peak GiB after the step
+DP_BENCH_BF16_GRADS = {"ddp_bucketed": (142.6, 57.30), "zero1": (141.6, 44.74)}
+
+
+@pytest.mark.parametrize("name", list(DP_BENCH_BF16_GRADS))
+def test_bf16_gradient_rows_against_the_2xh200_benchmark(name):
+    """compute_dtype=bfloat16: half the all-reduce bytes, the persistent bf16 Linear copies in memory."""
+    args = ("model=xl", "precision=bf16", "train.batch_size=8", "data.seq_len=512", "mesh=dp2",
+            f"parallelism={name}", "planner.device=h200")
+    fp32, bf16 = plan(_cfg(*args)), plan(_cfg(*args, "parallelism.compute_dtype=bfloat16"))
+    ms, gib = DP_BENCH_BF16_GRADS[name]
+    assert bf16.step_time_ms == pytest.approx(ms, rel=0.25) and bf16.step_time_ms < fp32.step_time_ms
+    assert bf16.moments["optimizer_step"] / GIB == pytest.approx(gib, rel=0.10)
+    grads = lambda p: next(c.bytes_per_step for c in p.collectives if c.what == "gradients")  # noqa: E731
+    assert grads(bf16) == pytest.approx(grads(fp32) / 2, rel=1e-6)

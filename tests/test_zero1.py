@@ -167,3 +167,166 @@ def _all(rank, world):
 
 def test_zero1_2ranks():
     run_ranks(_all, world_size=2)
+
+
+# ---- compute_dtype=bfloat16 (zero1's BucketedDDP runs the Linear layers on its own bf16 leaves) -----------
+def _deferred_all_gather(real):
+    """`all_gather_flat` whose asynchronous form delivers its data only at `wait()`: what the compute stream
+    sees on NCCL before its stream wait. (A gloo gather may already be done when the forward reads the
+    parameters, so a leaf refreshed before its gather wait would go unnoticed.) Until then the gathered
+    buffer holds this rank's new slice and the other owners' previous values."""
+    def gather(out, inp, group=None, async_op=False):
+        if not async_op:
+            return real(out, inp, group=group)
+        landed = torch.empty_like(out)
+        real(landed, inp, group=group)
+
+        class Work:
+            def wait(self):
+                out.copy_(landed)
+                return True
+        return Work()
+    return gather
+
+
+def _bf16_compute_vs_ddp(rank, world, kind, overlap, optim, accum, steps=4):
+    """zero1 with compute_dtype=bfloat16 under bf16 autocast against (a) ddp_bucketed with the same
+    compute_dtype and the unsharded optimizer: losses, reduced gradients and parameters bitwise (ZeRO-1 is
+    the unsharded optimizer given the same gradients, and both wrappers produce the same bf16 gradients);
+    (b) with SGD, single-process autocast training on the whole batch, restarted each step from the
+    parameters (as tests/test_ddp.py's _bf16_compute_train, whose tolerance this is: per element
+    lr * 4 * 2^-8 * U for cast parameters, lr * 16 * 2^-8 * U for the fp32 path, U = sum over micro-steps
+    of mean_r |g_r|, +1e-6). With `overlap` the parameter gathers land only when waited for
+    (`_deferred_all_gather`), so a leaf cast before its module's gather wait holds the other owner's
+    previous values and (a) fails (checked: refreshing before the wait, or the one-shot cast at the start
+    of the forward, breaks the first comparison after a step)."""
+    import contextlib
+
+    import core.distributed.zero1 as zero1
+    from core.distributed.ddp import BucketedDDP
+    from core.distributed.mesh import ParallelMesh
+    from tests.test_ddp import _autocast, _gather, _local_grads
+
+    real_gather = zero1.all_gather_flat
+    zero1.all_gather_flat = _deferred_all_gather(real_gather)
+    try:
+        mesh = ParallelMesh(dp_shard=world, device="cpu").init()
+        kw = {"bucket_size_mb": 0.0005, "first_bucket_size_mb": 0.0002}
+        strategy = zero1.Zero1Strategy(compute_dtype="bfloat16", overlap_param_gather=overlap,
+                                       gather_bucket_mb=0.0002, **kw)
+        wrapped = strategy.setup(make_toy(kind, rank), mesh, lambda m: None)  # ranks differ: rank 0 broadcast
+        ddp = BucketedDDP(make_toy(kind, rank), compute_dtype="bfloat16", **kw)
+        ref = make_toy(kind, 0)
+        lr = 0.05 if optim == "sgd" else 1e-2
+        make = (lambda g: torch.optim.SGD(g, lr=lr)) if optim == "sgd" else \
+            (lambda g: torch.optim.AdamW(g, lr=lr, betas=(0.9, 0.95)))
+        trainable = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
+        opt = strategy.build_optimizer(wrapped, [{"params": trainable(wrapped.module)}], make)
+        opt_ddp, opt_ref = make(trainable(ddp.module)), make(trainable(ref))
+        assert len(opt._local.param_groups[0]["params"]) < len(trainable(wrapped.module))  # really sharded
+        cast = {n for n, p in wrapped.module.named_parameters() if id(p) in wrapped._leaf}
+        assert cast and cast == {n for n, p in ddp.module.named_parameters() if id(p) in ddp._leaf}
+        assert bool(wrapped._refresh_hooks) == overlap  # per-module refresh only behind the per-module waits
+        z, d = dict(wrapped.module.named_parameters()), dict(ddp.module.named_parameters())
+        expected = None  # (b): the reference's parameters after the previous step, and their tolerance
+
+        def check_parameters(where):
+            for n, p in z.items():
+                assert torch.equal(p, d[n]), (kind, optim, where, n, (p - d[n]).abs().max())
+            if expected is not None:
+                for n, (want, tol) in expected.items():
+                    err = (z[n] - want).abs()
+                    assert (err <= tol).all(), (kind, where, n, (err / tol).max())
+
+        for step, (x, y) in enumerate(toy_batches(kind, steps=steps, batch=8)):
+            micro = list(zip(x.chunk(accum), y.chunk(accum)))
+            halves = [(xm.chunk(world)[rank], ym.chunk(world)[rank]) for xm, ym in micro]
+            if overlap and step == 2:  # evaluation with gathers in flight: the hooks wait, the leaves stay
+                with torch.no_grad():
+                    assert opt.has_pending_gathers
+                    assert torch.equal(wrapped(halves[0][0]), ddp(halves[0][0])), step
+                check_parameters(f"eval {step}")
+            if optim == "sgd":  # (b) one single-process step on the whole batch from the same parameters
+                ref.load_state_dict(ddp.module.state_dict())
+                per_micro, _ = _local_grads(ref, halves, accum)
+                _, whole = _local_grads(ref, micro, accum)
+                for n, p in ref.named_parameters():
+                    p.grad = whole.get(n)
+                opt_ref.step()
+                opt_ref.zero_grad(set_to_none=True)
+            for i, (xl, yl) in enumerate(halves):
+                last = i == accum - 1
+                with strategy.gradient_sync(last):
+                    with _autocast():
+                        loss_z = toy_loss(wrapped(xl), yl) / accum
+                    if i == 0 and step > 0:  # every round holds a parameter the forward used: all waited
+                        assert not opt.has_pending_gathers
+                        check_parameters(step)
+                    loss_z.backward()
+                with ddp.no_sync() if not last else contextlib.nullcontext():
+                    with _autocast():
+                        loss_d = toy_loss(ddp(xl), yl) / accum
+                    loss_d.backward()
+                assert torch.equal(loss_z, loss_d), (kind, optim, step, i)
+            strategy.finish_gradient_synchronization()
+            ddp.finish_gradient_synchronization()
+            for n, p in z.items():
+                assert (p.grad is None) == (d[n].grad is None), n
+                assert p.grad is None or torch.equal(p.grad, d[n].grad), (kind, optim, step, n)
+            opt.step()
+            opt_ddp.step()
+            opt.zero_grad(set_to_none=True)
+            opt_ddp.zero_grad(set_to_none=True)
+            assert opt.has_pending_gathers == overlap
+            if optim == "sgd":
+                expected = {}
+                for n, p in ref.named_parameters():
+                    if p.requires_grad:
+                        u = sum(torch.stack(_gather(g[n], world)).abs().mean(0) for g in per_micro)
+                        expected[n] = (p.detach().clone(), lr * (4 if n in cast else 16) * 2.0**-8 * u + 1e-6)
+        strategy.wait_for_parameters()
+        check_parameters("end")
+    finally:
+        zero1.all_gather_flat = real_gather
+
+
+def _bf16_compute(rank, world):
+    for kind, overlap, optim, accum in [("toy", True, "adamw", 1), ("tied", True, "sgd", 2),
+                                        ("toy", True, "sgd", 1), ("tied", False, "adamw", 1)]:
+        _bf16_compute_vs_ddp(rank, world, kind, overlap, optim, accum)
+
+
+def test_zero1_bf16_compute_2ranks():
+    run_ranks(_bf16_compute, world_size=2)
+
+
+def test_zero1_rs_compute_dtype_is_a_config_error():
+    import pytest
+
+    from core.distributed.zero1 import Zero1RSStrategy, Zero1Strategy
+    from core.errors import ConfigError
+
+    for make in (lambda: Zero1RSStrategy(compute_dtype="bfloat16"),
+                 lambda: Zero1Strategy(grad_reduction="reduce_scatter", compute_dtype="bfloat16")):
+        with pytest.raises(ConfigError, match=r"parallelism\.compute_dtype.*Fix: set parallelism\.compute_dtype=null"
+                                              r", or use parallelism=zero1"):
+            make()
+    assert Zero1RSStrategy().compute_dtype is None
+    with pytest.raises(ConfigError, match=r"parallelism\.compute_dtype.*'float16'"):
+        Zero1Strategy(compute_dtype="float16")
+
+
+def test_train_py_zero1_bf16_compute_dp2_cpu(tmp_path):
+    """The trainer's path: bf16 autocast, accumulation (no_sync micro-steps), checkpointed blocks (their
+    recomputation runs the pre-hooks again: no refresh there), evaluation with gathers in flight."""
+    from tests.utils import read_summary, run_train
+
+    run_train(["parallelism=zero1", "parallelism.compute_dtype=bfloat16", "precision=bf16", "mesh=dp2",
+               "mesh.device=cpu", "mesh.timeout_s=60", "model=tiny", "data=synthetic", "train.max_steps=4",
+               "train.batch_size=4", "train.grad_accum_steps=2", "activation_checkpointing=1",
+               "train.eval_every=0", "train.eval_batches=1", "logger=none", f"paths.output_root={tmp_path}"],
+              tmp_path / "run", env={"PYTHONWARNINGS": "ignore"})
+    s = read_summary(tmp_path / "run")
+    assert s["status"] == "ok" and s["world_size"] == 2 and s["steps"] == 4 and s["parallelism"] == "zero1", s
+    # as ddp_bucketed with compute_dtype=bfloat16 (tests/test_ddp.py): the same start, seen through bf16 autocast
+    assert abs(s["first_loss"] - 5.570815086364746) < 1e-3 and s["final_loss"] != s["first_loss"], s

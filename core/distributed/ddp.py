@@ -206,6 +206,8 @@ class BucketedDDP(DataParallel):
                           Activation checkpointing: the recomputation runs on the fp32 parameters and casts
                           them again (as without this option); the gradients still reach the leaves.
                           Costs a persistent bf16 copy of the cast parameters (half their fp32 bytes).
+                          `refresh_leaves_per_module()` moves the refresh into each owning module's forward
+                          pre-hook (for ZeRO-1's overlapped parameter gathers; see there).
     """
 
     def __init__(self, module: nn.Module, process_group: Optional[dist.ProcessGroup] = None,
@@ -251,6 +253,47 @@ class BucketedDDP(DataParallel):
                     self._slots.append((m, name, self._leaf[id(p)], p))
         self._leaves = list(self._leaf.values())
         self._leaf_params = [self._master[id(w)] for w in self._leaves]
+        self._refresh_hooks: list[Any] = []        # per-module refresh (refresh_leaves_per_module), else empty
+        self._stale: Optional[set[int]] = None     # ids of leaves not refreshed yet in this synced forward
+
+    def refresh_leaves_per_module(self) -> None:
+        """Refresh each module's leaves in a forward pre-hook of that module (one multi-tensor cast of its
+        leaves not yet refreshed in this forward) instead of all of them at the start of the forward.
+
+        For ZeRO-1 with overlapped parameter gathers (core.distributed.zero1): a parameter's new value arrives
+        only when the pre-hook of the first module using it has waited for its gather, so the leaves may be
+        cast only after that hook. Those hooks must run before these (register them first, or with
+        `prepend=True`). Only a synced forward refreshes (the conditions of the one-shot cast); activation
+        checkpointing's recomputation in backward and forwards without grad leave the leaves alone. A leaf is
+        refreshed once per forward, by the first module holding it that runs; a leaf whose module does not run
+        keeps its old values (read by nobody: Linear parameters are read by F.linear in their module's forward,
+        which is what makes them cast parameters). Idempotent; nothing to do without cast parameters."""
+        if self._refresh_hooks or not self._slots:
+            return
+        by_module: dict[int, tuple[nn.Module, list[tuple[torch.Tensor, nn.Parameter]]]] = {}
+        for m, _, leaf, p in self._slots:
+            by_module.setdefault(id(m), (m, []))[1].append((leaf, p))
+        this = weakref.ref(self)  # the module must not keep the wrapper (and its process group) alive
+
+        def hook(_m: nn.Module, _args: Any, pairs: list) -> None:
+            ddp = this()
+            if ddp is not None and ddp._stale is not None:
+                ddp._refresh(pairs)
+
+        for m, pairs in by_module.values():
+            self._refresh_hooks.append(m.register_forward_pre_hook(
+                lambda m_, a, pairs=pairs: hook(m_, a, pairs)))
+
+    @torch.no_grad()
+    def _refresh(self, pairs: list[tuple[torch.Tensor, nn.Parameter]]) -> None:
+        dst, src = [], []
+        for leaf, p in pairs:
+            if id(leaf) in self._stale:
+                self._stale.discard(id(leaf))
+                dst.append(leaf)
+                src.append(p)
+        if dst:
+            torch._foreach_copy_(dst, src)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.compute_dtype is None or not torch.is_grad_enabled():
@@ -262,13 +305,17 @@ class BucketedDDP(DataParallel):
                 "use precision=bf16, or set parallelism.compute_dtype=null")
         if self.world == 1 or not self.require_backward_grad_sync or not self._slots:
             return self.module(*args, **kwargs)  # autocast's own casts: gradients accumulate in fp32 .grad
-        with torch.no_grad():
-            torch._foreach_copy_(self._leaves, self._leaf_params)  # one multi-tensor cast
+        if self._refresh_hooks:  # each module's pre-hook casts its leaves (refresh_leaves_per_module)
+            self._stale = {id(w) for w in self._leaves}
+        else:
+            with torch.no_grad():
+                torch._foreach_copy_(self._leaves, self._leaf_params)  # one multi-tensor cast
         for m, name, leaf, _ in self._slots:
             m._parameters[name] = leaf
         try:
             return self.module(*args, **kwargs)
         finally:
+            self._stale = None
             for m, name, _, p in self._slots:
                 m._parameters[name] = p
 

@@ -37,7 +37,7 @@ from torch import nn
 
 from core.distributed.comm import (CommTimer, all_gather_flat, group_rank, group_size, init_optimizer_state,
                                    reduce_scatter_flat, supports_avg)
-from core.distributed.ddp import BucketedDDP, DataParallel, require_pure_dp, unwrap
+from core.distributed.ddp import BucketedDDP, DataParallel, _compute_dtype, require_pure_dp, unwrap
 from core.distributed.mesh import ParallelMesh
 from core.distributed.strategy import Strategy, materialize
 from core.errors import require
@@ -314,6 +314,13 @@ class Zero1Strategy(Strategy):
                           happens at the wrapper's forward (all rounds), hooks inside compiled code are
                           not used.
     comm_dtype            gradient all-reduce dtype of the bucketed DDP (zero1 only; see BucketedDDP)
+    compute_dtype         None (default) | "bfloat16" (needs precision=bf16; zero1 only): the bucketed DDP runs
+                          the Linear layers on its own persistent bf16 copies, so their gradients are
+                          all-reduced in bf16 (numerics and costs: BucketedDDP). With overlap_param_gather
+                          each module's copies are refreshed in its forward pre-hook after its gather wait
+                          (`BucketedDDP.refresh_leaves_per_module`); under torch.compile, at the wrapper's
+                          forward after waiting for every round. Results are bitwise those of ddp_bucketed
+                          with the same compute_dtype and the unsharded optimizer (tested).
     """
 
     name = "zero1"
@@ -321,14 +328,20 @@ class Zero1Strategy(Strategy):
 
     def __init__(self, grad_reduction: str = "all_reduce", bucket_size_mb: float = 25.0,
                  first_bucket_size_mb: float = 1.0, gather_bucket_mb: float = 128.0,
-                 overlap_param_gather: bool = True, comm_dtype: Optional[str] = None) -> None:
+                 overlap_param_gather: bool = True, comm_dtype: Optional[str] = None,
+                 compute_dtype: Optional[str] = None) -> None:
         require(grad_reduction in ("all_reduce", "reduce_scatter"), "parallelism.grad_reduction",
                 f"unknown {grad_reduction!r}", "use all_reduce (zero1) or reduce_scatter (zero1_rs)")
+        require(compute_dtype is None or grad_reduction == "all_reduce", "parallelism.compute_dtype",
+                f"{compute_dtype!r} needs the bucketed DDP's gradient all-reduce (zero1); zero1_rs reduce-scatters "
+                "the parameters' own gradients", "set parallelism.compute_dtype=null, or use parallelism=zero1")
+        _compute_dtype(compute_dtype)  # an unsupported name fails here, before any process group work
         self.grad_reduction = grad_reduction
         self.bucket_size_mb, self.first_bucket_size_mb = bucket_size_mb, first_bucket_size_mb
         self.gather_bucket_mb = gather_bucket_mb
         self.overlap_param_gather = bool(overlap_param_gather)
         self.comm_dtype = comm_dtype
+        self.compute_dtype = compute_dtype
         self.optimizer: Optional[ShardedOptimizer] = None
         self.name = "zero1" if grad_reduction == "all_reduce" else "zero1_rs"
 
@@ -342,7 +355,8 @@ class Zero1Strategy(Strategy):
         pg = mesh.group("dp")
         if self.grad_reduction == "all_reduce":
             self.wrapped = BucketedDDP(model, pg, self.timer, bucket_size_mb=self.bucket_size_mb,
-                                       first_bucket_size_mb=self.first_bucket_size_mb, comm_dtype=self.comm_dtype)
+                                       first_bucket_size_mb=self.first_bucket_size_mb, comm_dtype=self.comm_dtype,
+                                       compute_dtype=self.compute_dtype)
         else:
             self.wrapped = _LocalGradients(model, pg, self.timer)
         return self.wrapped
@@ -365,10 +379,12 @@ class Zero1Strategy(Strategy):
             return
         for m in raw.modules():
             own = tuple(p for p in m.parameters(recurse=False) if p.requires_grad)
-            if own:
-                m.register_forward_pre_hook(lambda _m, _a, own=own: opt.before_use(own))
+            if own:  # first among the module's pre-hooks: nothing may read `own` before the wait
+                m.register_forward_pre_hook(lambda _m, _a, own=own: opt.before_use(own), prepend=True)
         # a parameter read outside its module's forward (none in our models) is still safe: rounds of
         # parameters never seen in the recorded forward come first, waited by the first hook
+        if isinstance(wrapped, BucketedDDP):  # compute_dtype: cast each module's leaves after its wait, not all
+            wrapped.refresh_leaves_per_module()  # at the start of the forward (a no-op without cast parameters)
 
     def wait_for_parameters(self) -> None:
         """Block until every pending parameter gather has completed (before reading parameters)."""
