@@ -97,7 +97,7 @@ class _GatherWeight(torch.autograd.Function):
 
 class FullyShardedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, process_group: Optional[dist.ProcessGroup] = None,
-                 compute_dtype: Any = None, reduce_dtype: Any = None, prefetch: int = 2,
+                 compute_dtype: Any = None, reduce_dtype: Any = None, prefetch: int = 1,
                  timer: Optional[CommTimer] = None,
                  reduce_scatter_group: Optional[dist.ProcessGroup] = None, group_by: str = "block") -> None:
         """`reduce_scatter_group`: the same ranks as `process_group` in a group of its own, for the gradient
