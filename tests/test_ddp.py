@@ -362,16 +362,19 @@ def test_ddp_bucketed_bf16_compute_one_rank_and_errors():
         BucketedDDP(make_toy("toy", seed=0), compute_dtype="float16")
 
 
-def test_train_py_ddp_bucketed_bf16_compute_dp2_cpu(tmp_path):
-    """The trainer's path: bf16 autocast, gradient accumulation (no_sync micro-steps), checkpointed blocks."""
+@pytest.mark.parametrize("strategy", ["ddp_bucketed", "zero1"])
+def test_train_py_bf16_compute_dp2_cpu(tmp_path, strategy):
+    """The trainer's path: bf16 autocast, gradient accumulation (no_sync micro-steps), checkpointed blocks (their
+    recomputation runs zero1's pre-hooks again: no refresh there), evaluation with zero1's gathers in flight."""
     from tests.utils import read_summary, run_train
 
-    run_train(["parallelism=ddp_bucketed", "parallelism.compute_dtype=bfloat16", "precision=bf16", "mesh=dp2",
+    run_train([f"parallelism={strategy}", "parallelism.compute_dtype=bfloat16", "precision=bf16", "mesh=dp2",
                "mesh.device=cpu", "mesh.timeout_s=60", "model=tiny", "data=synthetic", "train.max_steps=4",
                "train.batch_size=4", "train.grad_accum_steps=2", "activation_checkpointing=1",
                "train.eval_every=0", "train.eval_batches=1", "logger=none", f"paths.output_root={tmp_path}"],
               tmp_path / "run", env={"PYTHONWARNINGS": "ignore"})
     s = read_summary(tmp_path / "run")
     assert s["status"] == "ok" and s["world_size"] == 2 and s["steps"] == 4 and s["precision"] == "bf16", s
+    assert s["parallelism"] == strategy, s
     # the initialisation every strategy starts from (fp32 first loss 5.5708151), seen through bf16 autocast
     assert abs(s["first_loss"] - 5.570815086364746) < 1e-3 and s["final_loss"] != s["first_loss"], s

@@ -1,6 +1,5 @@
 """ShardedOptimizer (ZeRO-1) against the unsharded optimizer and single-process training (gloo)."""
 import torch
-import torch.distributed as dist
 
 from tests.dist_utils import make_toy, run_ranks, toy_batches, toy_loss
 
@@ -314,19 +313,3 @@ def test_zero1_rs_compute_dtype_is_a_config_error():
     assert Zero1RSStrategy().compute_dtype is None
     with pytest.raises(ConfigError, match=r"parallelism\.compute_dtype.*'float16'"):
         Zero1Strategy(compute_dtype="float16")
-
-
-def test_train_py_zero1_bf16_compute_dp2_cpu(tmp_path):
-    """The trainer's path: bf16 autocast, accumulation (no_sync micro-steps), checkpointed blocks (their
-    recomputation runs the pre-hooks again: no refresh there), evaluation with gathers in flight."""
-    from tests.utils import read_summary, run_train
-
-    run_train(["parallelism=zero1", "parallelism.compute_dtype=bfloat16", "precision=bf16", "mesh=dp2",
-               "mesh.device=cpu", "mesh.timeout_s=60", "model=tiny", "data=synthetic", "train.max_steps=4",
-               "train.batch_size=4", "train.grad_accum_steps=2", "activation_checkpointing=1",
-               "train.eval_every=0", "train.eval_batches=1", "logger=none", f"paths.output_root={tmp_path}"],
-              tmp_path / "run", env={"PYTHONWARNINGS": "ignore"})
-    s = read_summary(tmp_path / "run")
-    assert s["status"] == "ok" and s["world_size"] == 2 and s["steps"] == 4 and s["parallelism"] == "zero1", s
-    # as ddp_bucketed with compute_dtype=bfloat16 (tests/test_ddp.py): the same start, seen through bf16 autocast
-    assert abs(s["first_loss"] - 5.570815086364746) < 1e-3 and s["final_loss"] != s["first_loss"], s

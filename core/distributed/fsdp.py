@@ -67,6 +67,15 @@ class _Gather:
     def __init__(self, work) -> None:
         self.work, self.waited = work, work is None
 
+    def wait(self, timer: Optional[CommTimer] = None) -> None:
+        """Wait once (through `timer`, which counts the stall as exposed communication)."""
+        if not self.waited:
+            self.waited = True
+            if timer is not None:
+                timer.wait(self.work)
+            else:
+                self.work.wait()
+
 
 def block_key(name: str) -> str:
     """The gather group of a module: its path up to the first numeric component (`blocks.3.ffn.w1` ->
@@ -203,9 +212,7 @@ class FullyShardedDataParallel(nn.Module):
         self._launch_gather([unit])
         buf, gather = unit.pending
         unit.pending = None
-        if not gather.waited:
-            gather.waited = True
-            self.timer.wait(gather.work)
+        gather.wait(self.timer)
         return buf
 
     def _build_groups(self) -> None:
@@ -340,10 +347,7 @@ class FullyShardedDataParallel(nn.Module):
         for u in self.units:  # drop gathers of weights the optimizer is about to change
             u.bwd_buf = None
             if u.pending is not None:
-                gather = u.pending[1]
-                if not gather.waited:
-                    gather.waited = True
-                    gather.work.wait()
+                u.pending[1].wait()
                 u.pending = None
         if self.world == 1:
             return

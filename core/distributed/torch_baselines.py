@@ -13,10 +13,9 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from core.distributed.comm import CommTimer, broadcast_module, init_optimizer_state
+from core.distributed.comm import broadcast_module, init_optimizer_state
 from core.distributed.ddp import require_pure_dp, unwrap
 from core.distributed.fsdp import _dtype
 from core.distributed.mesh import ParallelMesh
