@@ -239,29 +239,12 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: 
 def all_gather_coalesced(outs: list[torch.Tensor], inps: list[torch.Tensor], group=None) -> Any:
     """Asynchronous all-gathers of several tensors issued as one collective: outs[i] (world * n_i) <- concat of
     every rank's inps[i] (n_i). NCCL runs them as one grouped launch, each straight into its own output (no
-    copy into a flat buffer and back). Returns one work that completes when all of them have."""
+    copy into a flat buffer and back). Returns the one work of the coalesced call."""
     with _coalescing_manager(group, async_ops=True) as cm:
         for out, inp in zip(outs, inps):
             _ALL_GATHER(out, inp, group=group, async_op=True)
-    return cm.works[0] if len(cm.works) == 1 else _Works(cm.works)
-
-
-class _Works:
-    """Several works waited for (and polled) as one."""
-
-    def __init__(self, works: list) -> None:
-        self.works = works
-
-    def wait(self) -> bool:
-        for w in self.works:
-            w.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-    def _get_duration(self) -> float:
-        return sum(float(w._get_duration()) for w in self.works)
+    (work,) = cm.works  # c10d's fast path: the backend's one *_coalesced call
+    return work
 
 
 def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, op=dist.ReduceOp.SUM, group=None,

@@ -225,14 +225,14 @@ class FullyShardedDataParallel(nn.Module):
                 prev = key
             self._fwd_groups[-1].append(unit)
             self._group_of_pos.append(len(self._fwd_groups) - 1)
-        saved = set(self._saves)
+        saved_by_group: dict[int, list[int]] = {}  # backward gathers only the weights autograd saved
+        for p in self._saves:
+            saved_by_group.setdefault(self._group_of_pos[p], []).append(p)
         self._bwd_groups, self._bwd_group_of_pos = [], {}
-        for g in reversed(range(len(self._fwd_groups))):
-            positions = [p for p, gi in enumerate(self._group_of_pos) if gi == g and p in saved]
-            if positions:
-                for p in positions:
-                    self._bwd_group_of_pos[p] = len(self._bwd_groups)
-                self._bwd_groups.append([self._order[p] for p in positions])
+        for g in sorted(saved_by_group, reverse=True):
+            for p in saved_by_group[g]:
+                self._bwd_group_of_pos[p] = len(self._bwd_groups)
+            self._bwd_groups.append([self._order[p] for p in saved_by_group[g]])
 
     # ---- forward hooks ----
     def _make_pre_hook(self, unit: _Unit):
