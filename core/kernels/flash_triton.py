@@ -8,10 +8,12 @@ Kernels (plain pointer arithmetic, so the same source runs on Triton 3.6 and 3.9
   online softmax in base 2 (log2(e) folded into the scale), fp32 accumulators, output
   cast on store. Causal: key tiles above the diagonal are never visited; the tiles that
   need no mask run in a loop without masks, the diagonal (and ragged-end) tiles in a
-  second loop with masks. Heavy causal tiles (late queries) are launched first.
+  second loop with masks. Heavy causal tiles (late queries) are launched first. The running
+  max is kept in scaled units, so the softmax scale folds into the exponent's FMA.
 - backward, two passes (no atomics): `_bwd_dq_kernel` computes delta = rowsum(dO * O)
-  for its query tile, stores it, and accumulates dQ over key tiles; `_bwd_dkdv_kernel`
-  then holds one key tile and accumulates dK and dV over the query tiles that see it.
+  for its query tile, stores it with the base-2 logsumexp, and accumulates dQ over key tiles;
+  `_bwd_dkdv_kernel` then holds one key tile and accumulates dK and dV over the query tiles
+  that see it. At d <= 64 both issue dP before the exponentials, which then overlap that matmul.
   `FlashAttentionTritonAtomicDQ`: one dK/dV pass that also adds dS K into an fp32 dQ buffer
   (5 tile matmuls, not 7); on Hopper each dQ tile goes in one bulk tensor reduction (TMA engine),
   elsewhere per-element atomics. Level with two-pass on an H100 (docs/attention.md, run 8).
@@ -109,18 +111,21 @@ if HAVE_TRITON:
             offs_n = start_n + offs_n0
             k = _load_rows(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, n_k, offs_d,
                            HEAD_DIM, BLOCK_D, MASKED)
-            s = _mm(q, tl.trans(k)) * qk_scale                     # (BLOCK_M, BLOCK_N), base 2
+            s = _mm(q, tl.trans(k))                                # (BLOCK_M, BLOCK_N), unscaled
             if MASKED:
                 valid = offs_n[None, :] < n_k
                 if IS_CAUSAL:
                     valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
                 s = tl.where(valid, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
+            # the running max is kept in scaled (base-2) units; max(s) * scale == max(s * scale) exactly
+            # (rounding is monotonic, scale > 0), and the scale then folds into the exponent's FMA:
+            # one instruction per score instead of a multiply and a subtract
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            if MASKED:
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
             else:
-                m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_use = m_new
-            p = tl.math.exp2(s - m_use[:, None])
+            p = tl.math.exp2(s * qk_scale - m_use[:, None])
             alpha = tl.math.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = _load_rows(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, n_k, offs_d,
@@ -196,19 +201,24 @@ if HAVE_TRITON:
             v = _load_rows(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, n_k, offs_d,
                            HEAD_DIM, BLOCK_D, MASKED)
             s = _mm(q, tl.trans(k)) * qk_scale
+            if BLOCK_D <= 64:
+                # dP issued before the exponentials, which ptxas then schedules while it runs on the tensor
+                # cores (3% faster on an H100 at d = 64; at d = 128 the extra live tile spills: 3-8% slower)
+                dp = _mm(do, tl.trans(v))
             if MASKED:
                 valid = offs_n[None, :] < n_k
                 if IS_CAUSAL:
                     valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
                 s = tl.where(valid, s, float("-inf"))
             p = tl.math.exp2(s - lse2[:, None])
-            dp = _mm(do, tl.trans(v))
+            if BLOCK_D > 64:
+                dp = _mm(do, tl.trans(v))
             ds = p * (dp - delta[:, None])
             dq = _mma(ds.to(k.dtype), k, dq)
         return dq
 
     @triton.jit
-    def _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, DELTA, pid_zh, off_z, off_h, start_m,
+    def _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, DELTA, LSE2, pid_zh, off_z, off_h, start_m,
                      stride_qz, stride_qh, stride_qm,
                      stride_kz, stride_kh, stride_kn,
                      stride_vz, stride_vh, stride_vn,
@@ -220,8 +230,9 @@ if HAVE_TRITON:
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_DELTA: tl.constexpr):
         """dQ of the BLOCK_M query rows from start_m: one walk over the key tiles they see.
 
-        delta = rowsum(dO * O) of these rows is computed here from the O and dO tiles (and stored
-        for the dK/dV pass when STORE_DELTA)."""
+        delta = rowsum(dO * O) of these rows is computed here from the O and dO tiles; with STORE_DELTA
+        it is stored for the dK/dV pass, and so is the base-2 logsumexp (LSE2, +inf for rows that see
+        no key), which that pass would otherwise rederive for every tile it visits."""
         k_base = K + off_z * stride_kz + off_h * stride_kh
         v_base = V + off_z * stride_vz + off_h * stride_vh
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -239,6 +250,8 @@ if HAVE_TRITON:
             tl.store(DELTA + row, delta, mask=offs_m < n_q)
         lse = tl.load(LSE + row, mask=offs_m < n_q, other=float("inf"))
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+        if STORE_DELTA:
+            tl.store(LSE2 + row, lse2, mask=offs_m < n_q)
 
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         n_full = (n_k // BLOCK_N) * BLOCK_N
@@ -262,7 +275,7 @@ if HAVE_TRITON:
     # SEQ_CLASS is a tuning key only and n_heads only divides program ids: neither is specialized, so a
     # new sequence class or head count (1 vs 16) reuses the compiled kernel
     @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
-    def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA,  # O and DQ are laid out like Q
+    def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, LSE2,  # O and DQ are laid out like Q
                        stride_qz, stride_qh, stride_qm,
                        stride_kz, stride_kh, stride_kn,
                        stride_vz, stride_vh, stride_vn,
@@ -274,7 +287,7 @@ if HAVE_TRITON:
         pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
         off_z = (pid_zh // n_heads).to(tl.int64)
         off_h = (pid_zh % n_heads).to(tl.int64)
-        _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, DELTA, pid_zh, off_z, off_h, pid_m * BLOCK_M,
+        _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, DELTA, LSE2, pid_zh, off_z, off_h, pid_m * BLOCK_M,
                      stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                      stride_vz, stride_vh, stride_vn, stride_qz, stride_qh, stride_qm,
                      stride_doz, stride_doh, stride_dom, stride_qz, stride_qh, stride_qm,
@@ -287,7 +300,7 @@ if HAVE_TRITON:
                         offs_n, offs_m0, offs_d, lo, hi, n_q, causal_off, qk_scale,
                         MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                        DELTA_FROM_O: tl.constexpr, dq_desc, DQ_TMA: tl.constexpr):
+                        DELTA_FROM_O: tl.constexpr, dq_desc, DQ_TMA: tl.constexpr, LSE_BASE2: tl.constexpr):
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_m0
             q = _load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, n_q, offs_d,
@@ -308,8 +321,11 @@ if HAVE_TRITON:
                 delta = tl.load(delta_base + offs_m, mask=offs_m < n_q, other=0.0)
             else:
                 delta = tl.load(delta_base + offs_m)
-            lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2) * 1.4426950408889634
+            if not LSE_BASE2:  # natural-log logsumexp: to base 2, rows that see no key to +inf
+                lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2) * 1.4426950408889634
             s_t = _mm(k, tl.trans(q)) * qk_scale                   # (BLOCK_N, BLOCK_M) = S^T
+            if BLOCK_D <= 64:  # dP^T overlaps the exponentials (as in the dQ pass)
+                dp_t = _mm(v, tl.trans(do))
             if MASKED:
                 valid = offs_m[None, :] < n_q
                 if IS_CAUSAL:
@@ -317,7 +333,8 @@ if HAVE_TRITON:
                 s_t = tl.where(valid, s_t, float("-inf"))
             p_t = tl.math.exp2(s_t - lse2[None, :])
             dv = _mma(p_t.to(do.dtype), do, dv)
-            dp_t = _mm(v, tl.trans(do))
+            if BLOCK_D > 64:
+                dp_t = _mm(v, tl.trans(do))
             ds_t = p_t * (dp_t - delta[None, :])
             dk = _mma(ds_t.to(q.dtype), q, dk)
             if ATOMIC_DQ:
@@ -349,7 +366,7 @@ if HAVE_TRITON:
                        n_q, n_k, causal_off, qk_scale, sm_scale,
                        IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                       DELTA_FROM_O: tl.constexpr, DQ_TMA: tl.constexpr):
+                       DELTA_FROM_O: tl.constexpr, DQ_TMA: tl.constexpr, LSE_BASE2: tl.constexpr):
         """dK, dV of the BLOCK_N keys from start_n: one walk over the query tiles that see them, in three
         ranges (masked diagonal, unmasked, masked ragged end). delta comes from DELTA, or is recomputed
         from O per query tile (DELTA_FROM_O); O / DELTA / DQ_ACC are only read when used."""
@@ -389,16 +406,18 @@ if HAVE_TRITON:
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, o_base, stride_qm, stride_dom, stride_om,
                                  lse_base, delta_base, dq_base, HEAD_DIM, sm_scale,
                                  offs_n, offs_m0, offs_d, lo, full_lo, n_q, causal_off, qk_scale,
-                                 True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ, DELTA_FROM_O, dq_desc, DQ_TMA)
+                                 True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ, DELTA_FROM_O, dq_desc, DQ_TMA,
+                                 LSE_BASE2)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, o_base, stride_qm, stride_dom, stride_om,
                                  lse_base, delta_base, dq_base, HEAD_DIM, sm_scale,
                                  offs_n, offs_m0, offs_d, full_lo, m_full, n_q, causal_off, qk_scale,
-                                 False, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ, DELTA_FROM_O, dq_desc, DQ_TMA)
+                                 False, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ, DELTA_FROM_O, dq_desc, DQ_TMA,
+                                 LSE_BASE2)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, o_base, stride_qm, stride_dom, stride_om,
                                  lse_base, delta_base, dq_base, HEAD_DIM, sm_scale,
                                  offs_n, offs_m0, offs_d, tl.maximum(full_lo, m_full), m_pad, n_q, causal_off,
                                  qk_scale, True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ, DELTA_FROM_O,
-                                 dq_desc, DQ_TMA)
+                                 dq_desc, DQ_TMA, LSE_BASE2)
         dk = dk * sm_scale
         _store_rows(DK + off_z * stride_dkz + off_h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
                     dk.to(DK.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
@@ -408,7 +427,7 @@ if HAVE_TRITON:
     # SEQ_CLASS is a tuning key only and n_heads only divides program ids: neither is specialized, so a
     # new sequence class or head count (1 vs 16) reuses the compiled kernel
     @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
-    def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC,  # DK, DV are laid out like K, V
+    def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQ_ACC,  # DK, DV are laid out like K, V
                          stride_qz, stride_qh, stride_qm,
                          stride_kz, stride_kh, stride_kn,
                          stride_vz, stride_vh, stride_vn,
@@ -421,14 +440,15 @@ if HAVE_TRITON:
         pid_n = tl.program_id(1)  # causal: early key tiles are seen by the most queries: first
         off_z = (pid_zh // n_heads).to(tl.int64)
         off_h = (pid_zh % n_heads).to(tl.int64)
-        # delta comes from DELTA; O is not read (DELTA stands in for it, zero strides)
-        _bwd_dkdv_tile(Q, K, V, DELTA, DO, DK, DV, LSE, DELTA, DQ_ACC, pid_zh, off_z, off_h, pid_n * BLOCK_N,
+        # delta and the base-2 logsumexp come from the first backward launch (DELTA, LSE2); O is not read
+        # (DELTA stands in for it, zero strides)
+        _bwd_dkdv_tile(Q, K, V, DELTA, DO, DK, DV, LSE2, DELTA, DQ_ACC, pid_zh, off_z, off_h, pid_n * BLOCK_N,
                        stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                        stride_vz, stride_vh, stride_vn, 0, 0, 0,
                        stride_doz, stride_doh, stride_dom, stride_kz, stride_kh, stride_kn,
                        stride_vz, stride_vh, stride_vn,
                        n_q, n_k, causal_off, qk_scale, sm_scale,
-                       IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, ATOMIC_DQ, False, DQ_TMA)
+                       IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, ATOMIC_DQ, False, DQ_TMA, True)
 
     # Fused backward: ONE launch, grid (tiles, batch x heads). Program i does
     #   (a) dK, dV of key tile i (BLOCK_N keys), walking the query tiles that see it, and
@@ -461,10 +481,10 @@ if HAVE_TRITON:
                            stride_doz, stride_doh, stride_dom, stride_kz, stride_kh, stride_kn,
                            stride_vz, stride_vh, stride_vn,
                            n_q, n_k, causal_off, qk_scale, sm_scale,
-                           IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, True, False)
+                           IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, True, False, False)
         start_m = pid * BLOCK_M
         if start_m < n_q:  # (b) query tile pid (its delta computed in place, not stored)
-            _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, LSE, pid_zh, off_z, off_h, start_m,
+            _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, LSE, LSE, pid_zh, off_z, off_h, start_m,
                          stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                          stride_vz, stride_vh, stride_vn, stride_qz, stride_qh, stride_qm,
                          stride_doz, stride_doh, stride_dom, stride_qz, stride_qh, stride_qm,
@@ -472,9 +492,11 @@ if HAVE_TRITON:
                          IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
 
     @triton.jit
-    def _bwd_delta_kernel(O, DO, DELTA, stride_oz, stride_oh, stride_om, stride_doz, stride_doh, stride_dom,
-                          n_heads, n_q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-        """delta_i = rowsum(dO_i * O_i), for the atomic-dQ backward (the two-pass dQ kernel computes it itself)."""
+    def _bwd_delta_kernel(O, DO, LSE, DELTA, LSE2, stride_oz, stride_oh, stride_om, stride_doz, stride_doh,
+                          stride_dom, n_heads, n_q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_M: tl.constexpr):
+        """delta_i = rowsum(dO_i * O_i) and the base-2 logsumexp, for the atomic-dQ backward (the two-pass dQ
+        kernel computes both itself)."""
         pid_zh = tl.program_id(0)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
@@ -485,7 +507,10 @@ if HAVE_TRITON:
         do = _load_rows(DO + off_z * stride_doz + off_h * stride_doh + offs_m[:, None] * stride_dom
                         + offs_d[None, :], offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-        tl.store(DELTA + pid_zh.to(tl.int64) * n_q + offs_m, delta, mask=offs_m < n_q)
+        row = pid_zh.to(tl.int64) * n_q + offs_m
+        tl.store(DELTA + row, delta, mask=offs_m < n_q)
+        lse = tl.load(LSE + row, mask=offs_m < n_q, other=0.0)
+        tl.store(LSE2 + row, tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634, mask=offs_m < n_q)
 
     # --------------------------------------------------------------- autotuning
     def _cfg(bm, bn, warps, stages):
@@ -793,19 +818,21 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
                 is_causal, d, block_d, seq_class, q.dtype, n_k=n_k)
         return dq, dk, dv
     atomic_dq = variant == BWD_ATOMIC_DQ
-    delta = torch.empty((z, h, n_q), device=q.device, dtype=torch.float32)
+    # per row: delta = rowsum(dO * O) and the base-2 logsumexp, written by the first launch for the dK/dV pass
+    delta, lse2 = torch.empty((2, z, h, n_q), device=q.device, dtype=torch.float32).unbind(0)
     if atomic_dq:  # delta first; the dK/dV pass then adds dS K into an fp32 buffer
-        _bwd_delta_kernel[(z * h, _cdiv(n_q, 64))](o, do, delta, sq[0], sq[1], sq[2], sdo[0], sdo[1], sdo[2],
-                                                  h, n_q, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=64)
+        _bwd_delta_kernel[(z * h, _cdiv(n_q, 64))](o, do, lse, delta, lse2, sq[0], sq[1], sq[2],
+                                                  sdo[0], sdo[1], sdo[2], h, n_q,
+                                                  HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=64)
         dq_acc = torch.zeros((z, h, n_q, d), device=q.device, dtype=torch.float32)
     else:  # the dQ pass (it also computes and stores delta)
-        dq_args = (q, k, v, o, do, dq, lse, delta,
+        dq_args = (q, k, v, o, do, dq, lse, delta, lse2,
                    sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
                    h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
         _launch("dq", _dq_tuned if not INTERPRET else None, _bwd_dq_kernel, z * h, n_q, dq_args,
                 is_causal, d, block_d, seq_class, q.dtype)
         dq_acc = delta  # DQ_ACC is not touched without atomics
-    dkdv_args = (q, k, v, do, dk, dv, lse, delta, dq_acc,
+    dkdv_args = (q, k, v, do, dk, dv, lse2, delta, dq_acc,
                  sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
                  h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
     name, tuned = ("dkdv_atomic", _dkdv_atomic_tuned) if atomic_dq else ("dkdv", _dkdv_tuned)
