@@ -18,6 +18,10 @@ rows: TF32, which every fp32 implementation here is allowed to use). Out-of-memo
 reported as OOM and the sweep continues. Peak memory is the extra memory one
 forward+backward allocates beyond its inputs.
 
+`--graph` adds two columns: fwd and fwd+bwd replayed as CUDA graphs, i.e. the kernels' GPU time
+without the host's launch path (Python, autograd, dispatch). At B = H = 1 and S <= 4096 every
+implementation's eager time is mostly that host path; the graph columns compare the kernels.
+
 Pin Triton tiles for a variant with an impl name like
 ``flash_triton@fwd=128x64x8x3,dq=128x64x8x3,dkdv=64x128x8x3`` (BLOCK_M x BLOCK_N x warps x stages),
 or ``flash_triton_fused@fused=64x64x4x3`` for the fused backward kernel.
@@ -117,7 +121,26 @@ def matmul_ceiling(dtype: torch.dtype, warmup: int, rep: int) -> float:
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
-def _measure(fn, res: dict, b, h, s, d, dtype, warmup, rep) -> None:
+def graph_ms(step, warmup: int, rep: int) -> float:
+    """Median ms of one CUDA-graph replay of step(): the GPU's time for its kernels with the host's
+    launch path (Python, autograd, dispatch) taken out, for implementations alike."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the default stream, as capture requires
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    torch.cuda.synchronize()
+    try:
+        return do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
+    finally:
+        del graph
+
+
+def _measure(fn, res: dict, b, h, s, d, dtype, warmup, rep, graph: bool = False) -> None:
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     do = torch.randn(b, h, s, d, device="cuda", dtype=dtype)
     fn(q, k, v).backward(do)  # compile / autotune outside the timings
@@ -136,13 +159,24 @@ def _measure(fn, res: dict, b, h, s, d, dtype, warmup, rep) -> None:
                           warmup=warmup, rep=rep, return_mode="median")
     res["fwd_bwd"] = do_bench(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do),
                               warmup=warmup, rep=rep, return_mode="median")
+    if graph:
+        del out
+        try:
+            def fwd():
+                with torch.no_grad():
+                    fn(q, k, v)
+            res["fwd_graph"] = graph_ms(fwd, warmup, rep)
+            res["fwd_bwd_graph"] = graph_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), warmup, rep)
+        except RuntimeError as e:  # an implementation that cannot be captured: its graph cells stay empty
+            print(f"  (no CUDA graph: {str(e).splitlines()[0][:80]})", flush=True)
 
 
-def bench_one(impl: str, fn, b, h, s, d, dtype, warmup, rep) -> dict:
-    """Times (ms) for fwd, bwd, fwd_bwd and the peak extra memory (MiB) of one fwd+bwd."""
+def bench_one(impl: str, fn, b, h, s, d, dtype, warmup, rep, graph: bool = False) -> dict:
+    """Times (ms) for fwd, bwd, fwd_bwd (and with graph, fwd_graph and fwd_bwd_graph: CUDA-graph replays)
+    and the peak extra memory (MiB) of one fwd+bwd."""
     res: dict = {}
     try:
-        _measure(fn, res, b, h, s, d, dtype, warmup, rep)
+        _measure(fn, res, b, h, s, d, dtype, warmup, rep, graph)
     except torch.cuda.OutOfMemoryError:
         res["oom"] = True
     except (RuntimeError, NotImplementedError, ValueError) as e:  # e.g. a backend that refuses the shape
@@ -222,12 +256,12 @@ def fmt_ms(r: dict, mode: str) -> str:
     return f"{r[mode]:.3f}" if mode in r else "-"
 
 
-def run_table(configs, impls, warmup, rep, ceilings, out_lines, label):
+def run_table(configs, impls, warmup, rep, ceilings, out_lines, label, graph: bool = False):
     """configs: list of (b, h, s, d, dtype). Returns results[(cfg, impl)] = dict."""
     results = {}
     hdr = ("| dtype | B,H | S | D | impl | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s (% ceil) "
-           "| fwd+bwd TFLOP/s (% ceil) | peak extra MiB |")
-    out_lines += [f"\n### {label}\n", hdr, "|" + "---|" * 11]
+           "| fwd+bwd TFLOP/s (% ceil) | peak extra MiB |" + (" fwd graph ms | fwd+bwd graph ms |" if graph else ""))
+    out_lines += [f"\n### {label}\n", hdr, "|" + "---|" * (13 if graph else 11)]
     print("\n".join(out_lines[-3:]), flush=True)
     for (b, h, s, d, dtype) in configs:
         ceil = ceilings[dtype]
@@ -238,7 +272,7 @@ def run_table(configs, impls, warmup, rep, ceilings, out_lines, label):
             if base.startswith("sdpa") and dtype == torch.float32:
                 r = {"error": "backend has no fp32"}
             else:
-                r = bench_one(impl, make_impl(impl), b, h, s, d, dtype, warmup, rep)
+                r = bench_one(impl, make_impl(impl), b, h, s, d, dtype, warmup, rep, graph)
             results[(b, h, s, d, dtype, impl)] = r
 
             def tf(mode):
@@ -252,20 +286,26 @@ def run_table(configs, impls, warmup, rep, ceilings, out_lines, label):
                 print(f"  {impl} S={s} D={d}: {r['error']}", flush=True)
             line = (f"| {str(dtype)[6:]} | {b},{h} | {s} | {d} | {impl} | {fmt_ms(r, 'fwd')} | {fmt_ms(r, 'bwd')} | "
                     f"{fmt_ms(r, 'fwd_bwd')} | {tf('fwd')} | {tf('fwd_bwd')} | {mem} |")
+            if graph:
+                line += f" {fmt_ms(r, 'fwd_graph')} | {fmt_ms(r, 'fwd_bwd_graph')} |"
             out_lines.append(line)
             print(line, flush=True)
     return results
 
 
-def ratio_summary(results, impls, out_lines):
-    """flash_triton over SDPA flash / cuDNN time, per shape (bf16 only)."""
+def ratio_summary(results, impls, out_lines, graph: bool = False):
+    """flash_triton over SDPA flash / cuDNN time, per shape (bf16 only); with graph, also the ratios of
+    the CUDA-graph replays (kernels only)."""
     ours = [i for i in impls if i.startswith("flash_triton")]
     if not ours:
         return
+    modes = ("fwd", "fwd_bwd", "fwd_graph", "fwd_bwd_graph") if graph else ("fwd", "fwd_bwd")
+    names = {"fwd": "fwd", "fwd_bwd": "fwd+bwd", "fwd_graph": "fwd graph", "fwd_bwd_graph": "fwd+bwd graph"}
+    cols = [f"{names[m]} / {o}" for o in ("flash", "cuDNN") for m in modes]
     start = len(out_lines)
     out_lines += ["\n### ratios (time of flash_triton / time of the SDPA backend; < 1 means faster)\n",
-                  "| impl | dtype | B,H | S | D | fwd / flash | fwd+bwd / flash | fwd / cuDNN | fwd+bwd / cuDNN |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| impl | dtype | B,H | S | D | " + " | ".join(cols) + " |",
+                  "|---|---|---|---|---|" + "---|" * len(cols)]
     keys = sorted({k[:5] for k in results}, key=lambda k: (str(k[4]), k[3], k[2]))
     for key in keys:
         if key[4] == torch.float32:
@@ -275,11 +315,10 @@ def ratio_summary(results, impls, out_lines):
             cells = []
             for other in ("sdpa_flash", "sdpa_cudnn"):
                 o = results.get((*key, other), {})
-                for mode in ("fwd", "fwd_bwd"):
+                for mode in modes:
                     cells.append(f"{r[mode] / o[mode]:.2f}" if mode in r and mode in o else "-")
             b, h, s, d, dtype = key
-            out_lines.append(f"| {impl} | {str(dtype)[6:]} | {b},{h} | {s} | {d} | {cells[0]} | {cells[1]} | "
-                             f"{cells[2]} | {cells[3]} |")
+            out_lines.append(f"| {impl} | {str(dtype)[6:]} | {b},{h} | {s} | {d} | " + " | ".join(cells) + " |")
     print("\n".join(out_lines[start:]), flush=True)
 
 
@@ -294,6 +333,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rep", type=int, default=None, help="do_bench repetitions, ms")
     ap.add_argument("--check", action="store_true", help="first check flash_triton (and the backward variants "
                     "in --impls) against float64 on the GPU")
+    ap.add_argument("--graph", action="store_true", help="also time fwd and fwd+bwd as CUDA-graph replays: the "
+                    "kernels' GPU time without the host's launch path, which dominates B = H = 1 rows at S <= 4096")
     ap.add_argument("--out", default=None, help="also write the markdown here")
     args = ap.parse_args(argv)
 
@@ -340,8 +381,8 @@ def main(argv=None) -> int:
             + ", ".join(f"{str(t)[6:]} {c:.0f} TFLOP/s" for t, c in ceilings.items())
             + f"; do_bench warmup={warmup} ms rep={rep} ms, median"]
     print(out[-1], flush=True)
-    results = run_table(configs, impls, warmup, rep, ceilings, out, f"{args.preset}: causal, times in ms")
-    ratio_summary(results, impls, out)
+    results = run_table(configs, impls, warmup, rep, ceilings, out, f"{args.preset}: causal, times in ms", args.graph)
+    ratio_summary(results, impls, out, args.graph)
     if args.preset == "leaderboard" and "flash_triton" in impls:
         out += ["\n### flash_triton kernels alone (no autograd), leaderboard shape\n"]
         from core.kernels import flash_triton as ft

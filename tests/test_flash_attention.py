@@ -144,6 +144,42 @@ def test_fused_bwd_tile_pairing(tiles, n_q, n_k, causal, monkeypatch):
     check_against_reference(FlashAttentionTritonFusedBwd.apply, q, k, v, causal, TOL[torch.float32])
 
 
+# Split-KV forward: each query tile's keys cut into splits, one program each, merged by logsumexp. Forced
+# here (the interpreter never splits on its own): split lengths of one tile, several tiles and more keys than
+# there are; causal rows that see no key at all (N_q > N_k); outputs poisoned with NaN. Backward on top.
+@needs_triton
+@pytest.mark.parametrize("split_keys", [1, 40, 1000], ids=["one_tile", "several_tiles", "one_split"])
+@pytest.mark.parametrize("n_q,n_k,causal", [(70, 130, True), (130, 70, True), (90, 90, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_split_kv_forward(split_keys, n_q, n_k, causal, dtype, monkeypatch):
+    monkeypatch.setattr(ft, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(ft, "FWD_SPLIT_KEYS", split_keys)
+    torch.manual_seed(11)
+    q, k, v = make_qkv((1, 2, n_q, 32), n_k, dtype)
+    out, lse = flash_attention_with_lse(q.detach(), k.detach(), v.detach(), causal)
+    ref, ref_lse = reference_attention(*(x.detach().double() for x in (q, k, v)), causal)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse.double()[finite] - ref_lse[finite]).abs().max() < (1e-2 if CUDA or dtype != torch.float32 else 1e-3)
+    assert rel_err(out, ref) < TOL[dtype]
+    check_against_reference(FlashAttentionTriton.apply, q, k, v, causal, TOL[dtype])
+
+
+def test_split_kv_policy(monkeypatch):
+    """Split only where the one-kernel grid leaves SMs idle and rows are long: about 2 programs per SM."""
+    monkeypatch.setattr(ft, "INTERPRET", False)
+    monkeypatch.setattr(ft, "FWD_SPLIT_KEYS", None)
+    monkeypatch.setattr(ft, "_sm_count", lambda device: 132)
+    dev = torch.device("cuda", 0)
+    assert ft._fwd_split_len(dev, 1, 4096, 4096, 64, 64) == 13 * 64    # 64 programs -> 5 splits of 13 tiles
+    assert ft._fwd_split_len(dev, 1, 1024, 1024, 64, 64) == 4 * 64     # 16 programs -> 4 splits of 4 tiles
+    assert ft._fwd_split_len(dev, 16, 16384, 16384, 64, 64) == 0       # the leaderboard grid fills the GPU
+    assert ft._fwd_split_len(dev, 1, 16384, 16384, 64, 64) == 0        # 256 programs >= 132 SMs
+    assert ft._fwd_split_len(dev, 1, 256, 256, 64, 64) == 0            # 4 key tiles: nothing worth splitting
+    monkeypatch.setattr(ft, "FWD_SPLIT", False)
+    assert ft._fwd_split_len(dev, 1, 4096, 4096, 64, 64) == 0
+
+
 def test_fused_grid_covers_both_tile_counts():
     assert ft._grid("fused", 3, 70, 130, 32, 16) == (9, 3)    # 3 query tiles, 9 key tiles
     assert ft._grid("fused", 3, 130, 70, 16, 32) == (9, 3)    # 9 query tiles, 3 key tiles

@@ -10,6 +10,9 @@ Kernels (plain pointer arithmetic, so the same source runs on Triton 3.6 and 3.9
   need no mask run in a loop without masks, the diagonal (and ragged-end) tiles in a
   second loop with masks. Heavy causal tiles (late queries) are launched first. The running
   max is kept in scaled units, so the softmax scale folds into the exponent's FMA.
+- forward on small grids (batch x heads x query tiles < SMs, rows of 8+ key tiles): split-KV,
+  `_fwd_split_kernel` (one program per query tile and key split, partial output + base-2
+  logsumexp in fp32) then `_fwd_merge_kernel`, so the critical path is one split, not a row.
 - backward, two passes (no atomics): `_bwd_dq_kernel` computes delta = rowsum(dO * O)
   for its query tile, stores it with the base-2 logsumexp, and accumulates dQ over key tiles;
   `_bwd_dkdv_kernel` then holds one key tile and accumulates dK and dV over the query tiles
@@ -187,6 +190,87 @@ if HAVE_TRITON:
                     offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
         lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # natural log; -inf where nothing seen
         tl.store(LSE + pid_zh.to(tl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
+
+    # Split-KV forward for small grids (few batch x heads, few query tiles): the key range of every query
+    # tile is cut into splits of `split_len` keys, one program per (query tile, split), each writing its
+    # normalised partial output and base-2 logsumexp; `_fwd_merge_kernel` then combines them. The critical
+    # path falls from all key tiles of the last query tile to one split's, when the grid alone would leave
+    # most SMs idle. Same tiles and the same `_fwd_inner` as `_fwd_kernel`.
+    @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
+    def _fwd_split_kernel(Q, K, V, OP, LP,  # OP: (Z*H, splits, N_q, BLOCK_D) fp32; LP: (Z*H, splits, N_q) fp32
+                          stride_qz, stride_qh, stride_qm,
+                          stride_kz, stride_kh, stride_kn,
+                          stride_vz, stride_vh, stride_vn,
+                          n_heads, n_q, n_k, causal_off, qk_scale, split_len, SEQ_CLASS,
+                          IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        pid_zh = tl.program_id(0)
+        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+        split = tl.program_id(2)
+        off_z = (pid_zh // n_heads).to(tl.int64)
+        off_h = (pid_zh % n_heads).to(tl.int64)
+        k_base = K + off_z * stride_kz + off_h * stride_kh
+        v_base = V + off_z * stride_vz + off_h * stride_vh
+        start_m = pid_m * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_n0 = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        q = _load_rows(Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+                       offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        n_full = (n_k // BLOCK_N) * BLOCK_N
+        if IS_CAUSAL:
+            full_hi = (tl.maximum(start_m + causal_off + 1, 0) // BLOCK_N) * BLOCK_N
+            full_hi = tl.minimum(full_hi, n_full)
+            hi = tl.minimum(tl.maximum(start_m + BLOCK_M + causal_off, 0), n_k)
+        else:
+            full_hi = n_full
+            hi = n_k
+        lo_s = split * split_len  # a multiple of BLOCK_N: the masked / unmasked split stays tile-aligned
+        hi_s = tl.minimum(lo_s + split_len, hi)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
+                                   offs_m, offs_n0, offs_d, lo_s, tl.minimum(hi_s, full_hi), n_k, causal_off,
+                                   qk_scale, False, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
+                                   offs_m, offs_n0, offs_d, tl.maximum(lo_s, full_hi), hi_s, n_k, causal_off,
+                                   qk_scale, True, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D)
+        # a split this tile does not reach (or rows that see none of its keys): output 0, logsumexp -inf
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        row = (pid_zh.to(tl.int64) * tl.num_programs(2) + split) * n_q + offs_m
+        tl.store(OP + row[:, None] * BLOCK_D + offs_d[None, :], acc / l_safe[:, None], mask=offs_m[:, None] < n_q)
+        tl.store(LP + row, m_i + tl.math.log2(l_i), mask=offs_m < n_q)
+
+    @triton.jit
+    def _fwd_merge_kernel(OP, LP, O, LSE, stride_oz, stride_oh, stride_om, n_heads, n_q, n_splits,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+        """out = sum_s 2^(lse_s - lse) out_s, lse = log2 sum_s 2^lse_s (stored as a natural log), over the splits
+        of `_fwd_split_kernel`, with a running max so that no term overflows."""
+        pid_zh = tl.program_id(0)
+        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for split in range(0, n_splits):
+            row = (pid_zh.to(tl.int64) * n_splits + split) * n_q + offs_m
+            lse_s = tl.load(LP + row, mask=offs_m < n_q, other=float("-inf"))
+            o_s = tl.load(OP + row[:, None] * BLOCK_D + offs_d[None, :], mask=offs_m[:, None] < n_q, other=0.0)
+            m_new = tl.maximum(m_i, lse_s)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_use)
+            w = tl.math.exp2(lse_s - m_use)
+            acc = acc * alpha[:, None] + o_s * w[:, None]
+            l_i = l_i * alpha + w
+            m_i = m_new
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        off_z = (pid_zh // n_heads).to(tl.int64)
+        off_h = (pid_zh % n_heads).to(tl.int64)
+        _store_rows(O + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+                    (acc / l_safe[:, None]).to(O.dtype.element_ty), offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
+        tl.store(LSE + pid_zh.to(tl.int64) * n_q + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453,
+                 mask=offs_m < n_q)
 
     # ----------------------------------------------------------------- backward
     @triton.jit
@@ -519,7 +603,10 @@ if HAVE_TRITON:
     # short lists: a new (head dim, dtype, causal, seq class) key costs one compile per config
     # (the never-chosen 128x128 fwd, 128x32 dq and 64x128 dk/dv tiles of run 2 gave way to 32-row /
     # 32-key tiles: twice the programs when batch x heads is small and the grid does not fill the SMs)
-    _FWD_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3)]
+    # 64x128 (128-key tiles, half the key steps on the critical path): 12-21% faster than the 64x64 pick at
+    # B = H = 1, S = 16384 on an H100 (run 10), 8% slower at the leaderboard shape (run 9)
+    _FWD_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3),
+                    _cfg(64, 128, 4, 3)]
     _DQ_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3), _cfg(64, 32, 4, 2)]
     _DKDV_CONFIGS = [_cfg(32, 128, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3), _cfg(32, 64, 4, 2)]
     # atomic dQ: every (key tile, query tile) pair adds a BLOCK_M x d fp32 tile into dQ, so 128-key tiles
@@ -726,6 +813,39 @@ def _alloc_like(x: Tensor, dtype=None) -> Tensor:
     return torch.empty_like(x, dtype=dtype)
 
 
+# Split-KV forward (`_fwd_split_kernel` + `_fwd_merge_kernel`) on small grids. FWD_SPLIT switches it off;
+# FWD_SPLIT_KEYS forces a split length in keys (tests: the interpreter never splits on its own).
+FWD_SPLIT = True
+FWD_SPLIT_KEYS: int | None = None
+_SPLIT_TILES = (64, 64, 4, 3)  # the autotuner's pick for the one-kernel forward on small grids (H100, runs 7-10)
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SM_COUNT.get(index)
+    if n is None:
+        n = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
+
+
+def _fwd_split_len(device: torch.device, zh: int, n_q: int, n_k: int, bm: int, bn: int) -> int:
+    """Keys per split for the split-KV forward (a multiple of bn), or 0 for the one-kernel forward.
+
+    Splits only when the one-kernel grid (batch x heads x query tiles) has fewer programs than the GPU has
+    SMs and rows span at least 8 key tiles; then about two programs per SM, each with 4 key tiles or more."""
+    if FWD_SPLIT_KEYS is not None:
+        return _cdiv(FWD_SPLIT_KEYS, bn) * bn
+    if not FWD_SPLIT or INTERPRET:
+        return 0
+    programs, k_tiles = zh * _cdiv(n_q, bm), _cdiv(n_k, bn)
+    sms = _sm_count(device)
+    if programs >= sms or k_tiles < 8:
+        return 0
+    splits = min(k_tiles // 4, _cdiv(2 * sms, programs))
+    return _cdiv(k_tiles, splits) * bn if splits >= 2 else 0
+
+
 def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
     """Forward on 4-D (Z, H, N, d) inputs with unit last stride: (out like q, lse (Z, H, N_q) fp32)."""
     _check_runtime(q)
@@ -738,10 +858,28 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Te
         sq = q.stride()
     lse = torch.full((z, h, n_q), float("nan"), device=q.device, dtype=torch.float32) if POISON_OUTPUTS \
         else torch.empty((z, h, n_q), device=q.device, dtype=torch.float32)
+    causal_off = n_k - n_q if is_causal else 0
+    seq_class = _seq_class(max(n_q, n_k), z * h)
+    bm, bn, warps, stages = _PINNED.get("fwd") or ((32, 16, 4, 1) if INTERPRET else _SPLIT_TILES)
+    split_len = _fwd_split_len(q.device, z * h, n_q, n_k, bm, bn)
+    if split_len:  # small grid: split-KV kernel, then the merge
+        splits = _cdiv(n_k, split_len)
+        block_d = _BLOCK_D[d]
+        o_part = torch.empty((z * h, splits, n_q, block_d), device=q.device, dtype=torch.float32)
+        lse_part = torch.empty((z * h, splits, n_q), device=q.device, dtype=torch.float32)
+        _fwd_split_kernel[(z * h, _cdiv(n_q, bm), splits)](
+            q, k, v, o_part, lse_part, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+            h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), split_len, seq_class,
+            IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn,
+            num_warps=warps, num_stages=stages)
+        # 32-row merge tiles: 96 registers at d = 128 (64 rows: 230), and twice the programs on a small grid
+        _fwd_merge_kernel[(z * h, _cdiv(n_q, 32))](o_part, lse_part, o, lse, sq[0], sq[1], sq[2], h, n_q, splits,
+                                                  HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=32)
+        return o, lse
     args = (q, k, v, o, lse, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
-            h, n_q, n_k, n_k - n_q if is_causal else 0, LOG2E / math.sqrt(d), _seq_class(max(n_q, n_k), z * h))
+            h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), seq_class)
     _launch("fwd", _fwd_tuned if not INTERPRET else None, _fwd_kernel, z * h, n_q, args,
-            is_causal, d, _BLOCK_D[d], args[-1], q.dtype)
+            is_causal, d, _BLOCK_D[d], seq_class, q.dtype)
     return o, lse
 
 
