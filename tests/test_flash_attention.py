@@ -172,10 +172,10 @@ def test_split_kv_policy(monkeypatch):
     monkeypatch.setattr(ft, "_sm_count", lambda device: 132)
     dev = torch.device("cuda", 0)
     assert ft._fwd_split_len(dev, 1, 4096, 4096, 64, 64) == 13 * 64    # 64 programs -> 5 splits of 13 tiles
-    assert ft._fwd_split_len(dev, 1, 1024, 1024, 64, 64) == 4 * 64     # 16 programs -> 4 splits of 4 tiles
+    assert ft._fwd_split_len(dev, 1, 2048, 2048, 64, 64) == 4 * 64     # 32 programs -> 8 splits of 4 tiles
+    assert ft._fwd_split_len(dev, 1, 1024, 1024, 64, 64) == 0          # 16 key tiles: one kernel
     assert ft._fwd_split_len(dev, 16, 16384, 16384, 64, 64) == 0       # the leaderboard grid fills the GPU
     assert ft._fwd_split_len(dev, 1, 16384, 16384, 64, 64) == 0        # 256 programs >= 132 SMs
-    assert ft._fwd_split_len(dev, 1, 256, 256, 64, 64) == 0            # 4 key tiles: nothing worth splitting
     monkeypatch.setattr(ft, "FWD_SPLIT", False)
     assert ft._fwd_split_len(dev, 1, 4096, 4096, 64, 64) == 0
 

@@ -833,14 +833,17 @@ def _fwd_split_len(device: torch.device, zh: int, n_q: int, n_k: int, bm: int, b
     """Keys per split for the split-KV forward (a multiple of bn), or 0 for the one-kernel forward.
 
     Splits only when the one-kernel grid (batch x heads x query tiles) has fewer programs than the GPU has
-    SMs and rows span at least 8 key tiles; then about two programs per SM, each with 4 key tiles or more."""
+    SMs and rows span at least 32 key tiles; then about two programs per SM, each with 4 key tiles or more.
+    On an H100 at B = H = 1 (run 10, CUDA-graph timings) the split forward took 0.017 / 0.023 ms at S = 2048 /
+    4096 against 0.023 / 0.040 ms in one kernel, but at S = 1024 only 0.014 against 0.016 ms: not worth the
+    second launch's host time there."""
     if FWD_SPLIT_KEYS is not None:
         return _cdiv(FWD_SPLIT_KEYS, bn) * bn
     if not FWD_SPLIT or INTERPRET:
         return 0
     programs, k_tiles = zh * _cdiv(n_q, bm), _cdiv(n_k, bn)
     sms = _sm_count(device)
-    if programs >= sms or k_tiles < 8:
+    if programs >= sms or k_tiles < 32:
         return 0
     splits = min(k_tiles // 4, _cdiv(2 * sms, programs))
     return _cdiv(k_tiles, splits) * bn if splits >= 2 else 0
