@@ -137,33 +137,25 @@ if HAVE_TRITON:
             m_i = m_new
         return acc, m_i, l_i
 
-    # SEQ_CLASS is a tuning key only and n_heads only divides program ids: neither is specialized, so a
-    # new sequence class or head count (1 vs 16) reuses the compiled kernel
-    @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
-    def _fwd_kernel(Q, K, V, O, LSE,  # O is laid out like Q (same strides: fewer arguments per launch)
-                    stride_qz, stride_qh, stride_qm,
-                    stride_kz, stride_kh, stride_kn,
-                    stride_vz, stride_vh, stride_vn,
-                    n_heads, n_q, n_k, causal_off, qk_scale, SEQ_CLASS,
-                    IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        pid_zh = tl.program_id(0)
-        # heavy-first: the last query tiles (most keys under a causal mask) are launched first
-        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    @triton.jit
+    def _fwd_rows(Q, K, V, pid_zh, start_m, key_lo, key_hi,
+                  stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
+                  n_heads, n_q, n_k, causal_off, qk_scale,
+                  IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Online softmax of the BLOCK_M query rows from start_m over the keys in [key_lo, key_hi) that they
+        see (key_lo a multiple of BLOCK_N): (acc, m, l), unnormalised, base 2. Causal: key tiles above the
+        diagonal are never visited; tiles wholly below it run without masks, the diagonal tiles and the
+        ragged last tile with masks."""
         off_z = (pid_zh // n_heads).to(tl.int64)
         off_h = (pid_zh % n_heads).to(tl.int64)
-        q_base = Q + off_z * stride_qz + off_h * stride_qh
         k_base = K + off_z * stride_kz + off_h * stride_kh
         v_base = V + off_z * stride_vz + off_h * stride_vh
-        o_base = O + off_z * stride_qz + off_h * stride_qh
-
-        start_m = pid_m * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_n0 = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        q = _load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, n_q, offs_d,
-                       HEAD_DIM, BLOCK_D, True)
-
+        q = _load_rows(Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+                       offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -177,17 +169,38 @@ if HAVE_TRITON:
         else:
             full_hi = n_full
             hi = n_k
+        hi = tl.minimum(hi, key_hi)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
-                                   offs_m, offs_n0, offs_d, 0, full_hi, n_k, causal_off, qk_scale,
-                                   False, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D)
+                                   offs_m, offs_n0, offs_d, key_lo, tl.minimum(full_hi, hi), n_k, causal_off,
+                                   qk_scale, False, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
-                                   offs_m, offs_n0, offs_d, full_hi, hi, n_k, causal_off, qk_scale,
-                                   True, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D)
+                                   offs_m, offs_n0, offs_d, tl.maximum(full_hi, key_lo), hi, n_k, causal_off,
+                                   qk_scale, True, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D)
+        return acc, m_i, l_i
 
+    # SEQ_CLASS is a tuning key only and n_heads only divides program ids: neither is specialized, so a
+    # new sequence class or head count (1 vs 16) reuses the compiled kernel
+    @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
+    def _fwd_kernel(Q, K, V, O, LSE,  # O is laid out like Q (same strides: fewer arguments per launch)
+                    stride_qz, stride_qh, stride_qm,
+                    stride_kz, stride_kh, stride_kn,
+                    stride_vz, stride_vh, stride_vn,
+                    n_heads, n_q, n_k, causal_off, qk_scale, SEQ_CLASS,
+                    IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        pid_zh = tl.program_id(0)
+        # heavy-first: the last query tiles (most keys under a causal mask) are launched first
+        start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+        acc, m_i, l_i = _fwd_rows(Q, K, V, pid_zh, start_m, 0, n_k,
+                                  stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+                                  stride_vz, stride_vh, stride_vn, n_heads, n_q, n_k, causal_off, qk_scale,
+                                  IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        o_base = O + (pid_zh // n_heads).to(tl.int64) * stride_qz + (pid_zh % n_heads).to(tl.int64) * stride_qh
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / l_safe[:, None]
-        _store_rows(o_base + offs_m[:, None] * stride_qm + offs_d[None, :], out.to(O.dtype.element_ty),
-                    offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
+        out = (acc / l_safe[:, None]).to(O.dtype.element_ty)
+        _store_rows(o_base + offs_m[:, None] * stride_qm + offs_d[None, :], out, offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
         lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # natural log; -inf where nothing seen
         tl.store(LSE + pid_zh.to(tl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
 
@@ -195,7 +208,7 @@ if HAVE_TRITON:
     # tile is cut into splits of `split_len` keys, one program per (query tile, split), each writing its
     # normalised partial output and base-2 logsumexp; `_fwd_merge_kernel` then combines them. The critical
     # path falls from all key tiles of the last query tile to one split's, when the grid alone would leave
-    # most SMs idle. Same tiles and the same `_fwd_inner` as `_fwd_kernel`.
+    # most SMs idle. Same tiles and the same `_fwd_rows` as `_fwd_kernel`.
     @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
     def _fwd_split_kernel(Q, K, V, OP, LP,  # OP: (Z*H, splits, N_q, BLOCK_D) fp32; LP: (Z*H, splits, N_q) fp32
                           stride_qz, stride_qh, stride_qm,
@@ -205,38 +218,16 @@ if HAVE_TRITON:
                           IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         pid_zh = tl.program_id(0)
-        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+        start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
         split = tl.program_id(2)
-        off_z = (pid_zh // n_heads).to(tl.int64)
-        off_h = (pid_zh % n_heads).to(tl.int64)
-        k_base = K + off_z * stride_kz + off_h * stride_kh
-        v_base = V + off_z * stride_vz + off_h * stride_vh
-        start_m = pid_m * BLOCK_M
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        offs_n0 = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, BLOCK_D)
-        q = _load_rows(Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
-                       offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        n_full = (n_k // BLOCK_N) * BLOCK_N
-        if IS_CAUSAL:
-            full_hi = (tl.maximum(start_m + causal_off + 1, 0) // BLOCK_N) * BLOCK_N
-            full_hi = tl.minimum(full_hi, n_full)
-            hi = tl.minimum(tl.maximum(start_m + BLOCK_M + causal_off, 0), n_k)
-        else:
-            full_hi = n_full
-            hi = n_k
-        lo_s = split * split_len  # a multiple of BLOCK_N: the masked / unmasked split stays tile-aligned
-        hi_s = tl.minimum(lo_s + split_len, hi)
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
-                                   offs_m, offs_n0, offs_d, lo_s, tl.minimum(hi_s, full_hi), n_k, causal_off,
-                                   qk_scale, False, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D)
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
-                                   offs_m, offs_n0, offs_d, tl.maximum(lo_s, full_hi), hi_s, n_k, causal_off,
-                                   qk_scale, True, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D)
+        key_lo = split * split_len  # a multiple of BLOCK_N: the masked / unmasked split stays tile-aligned
+        acc, m_i, l_i = _fwd_rows(Q, K, V, pid_zh, start_m, key_lo, key_lo + split_len,
+                                  stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+                                  stride_vz, stride_vh, stride_vn, n_heads, n_q, n_k, causal_off, qk_scale,
+                                  IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
         # a split this tile does not reach (or rows that see none of its keys): output 0, logsumexp -inf
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         row = (pid_zh.to(tl.int64) * tl.num_programs(2) + split) * n_q + offs_m
         tl.store(OP + row[:, None] * BLOCK_D + offs_d[None, :], acc / l_safe[:, None], mask=offs_m[:, None] < n_q)
