@@ -10,7 +10,7 @@ Kernels (plain pointer arithmetic, so the same source runs on Triton 3.6 and 3.9
   need no mask run in a loop without masks, the diagonal (and ragged-end) tiles in a
   second loop with masks. Heavy causal tiles (late queries) are launched first. The running
   max is kept in scaled units, so the softmax scale folds into the exponent's FMA.
-- forward on small grids (batch x heads x query tiles < SMs, rows of 8+ key tiles): split-KV,
+- forward on small grids (batch x heads x query tiles < SMs, rows of 32+ key tiles): split-KV,
   `_fwd_split_kernel` (one program per query tile and key split, partial output + base-2
   logsumexp in fp32) then `_fwd_merge_kernel`, so the critical path is one split, not a row.
 - backward, two passes (no atomics): `_bwd_dq_kernel` computes delta = rowsum(dO * O)
@@ -808,7 +808,8 @@ def _alloc_like(x: Tensor, dtype=None) -> Tensor:
 # FWD_SPLIT_KEYS forces a split length in keys (tests: the interpreter never splits on its own).
 FWD_SPLIT = True
 FWD_SPLIT_KEYS: int | None = None
-_SPLIT_TILES = (64, 64, 4, 3)  # the autotuner's pick for the one-kernel forward on small grids (H100, runs 7-10)
+# the autotuner's pick for the one-kernel forward at S <= 4096, B = H = 1 (H100, runs 7-10)
+_SPLIT_TILES = (64, 64, 4, 3)
 _SM_COUNT: dict[int, int] = {}
 
 
