@@ -134,10 +134,7 @@ def graph_ms(step, warmup: int, rep: int) -> float:
     with torch.cuda.graph(graph):
         step()
     torch.cuda.synchronize()
-    try:
-        return do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
-    finally:
-        del graph
+    return do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
 
 
 def _measure(fn, res: dict, b, h, s, d, dtype, warmup, rep, graph: bool = False) -> None:

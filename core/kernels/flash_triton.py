@@ -98,6 +98,12 @@ if HAVE_TRITON:
         return x
 
     @triton.jit
+    def _lse_to_base2(lse):
+        """Natural-log logsumexp to base 2 for exp2(s - lse2); rows that see no key (-inf) to +inf, so their
+        masked scores (-inf) give p = 0 rather than NaN."""
+        return tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+
+    @triton.jit
     def _store_rows(ptrs, x, offs_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
         if BLOCK_D == HEAD_DIM:
             tl.store(ptrs, x, mask=offs_r[:, None] < n_rows)
@@ -324,7 +330,7 @@ if HAVE_TRITON:
         if STORE_DELTA:
             tl.store(DELTA + row, delta, mask=offs_m < n_q)
         lse = tl.load(LSE + row, mask=offs_m < n_q, other=float("inf"))
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+        lse2 = _lse_to_base2(lse)
         if STORE_DELTA:
             tl.store(LSE2 + row, lse2, mask=offs_m < n_q)
 
@@ -397,7 +403,7 @@ if HAVE_TRITON:
             else:
                 delta = tl.load(delta_base + offs_m)
             if not LSE_BASE2:  # natural-log logsumexp: to base 2, rows that see no key to +inf
-                lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2) * 1.4426950408889634
+                lse2 = _lse_to_base2(lse2)
             s_t = _mm(k, tl.trans(q)) * qk_scale                   # (BLOCK_N, BLOCK_M) = S^T
             if BLOCK_D <= 64:  # dP^T overlaps the exponentials (as in the dQ pass)
                 dp_t = _mm(v, tl.trans(do))
@@ -585,7 +591,7 @@ if HAVE_TRITON:
         row = pid_zh.to(tl.int64) * n_q + offs_m
         tl.store(DELTA + row, delta, mask=offs_m < n_q)
         lse = tl.load(LSE + row, mask=offs_m < n_q, other=0.0)
-        tl.store(LSE2 + row, tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634, mask=offs_m < n_q)
+        tl.store(LSE2 + row, _lse_to_base2(lse), mask=offs_m < n_q)
 
     # --------------------------------------------------------------- autotuning
     def _cfg(bm, bn, warps, stages):
