@@ -38,6 +38,46 @@ def _per_call_us(fn, calls: int) -> float:
     return elapsed / calls * 1e6
 
 
+def _part_rows(ft, q, k, v, g) -> list:
+    """(name, "fwd+bwd", fn) rows for the pieces of flash_triton's host path: one forward kernel launched through
+    `JITFunction.run` and through the compiled kernel's launcher directly, the forward / backward launch
+    functions, the Function's forward alone, and an allocation. Times of one call each."""
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    o, lse = ft.flash_fwd_impl(qd, kd, vd, True)
+    z, h, n, d = qd.shape
+    sq, sk, sv = qd.stride(), kd.stride(), vd.stride()
+    fwd_args = (qd, kd, vd, o, lse, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+                h, n, n, 0, ft.LOG2E / d ** 0.5, ft._seq_class(n, z * h))
+    meta = dict(IS_CAUSAL=True, HEAD_DIM=d, BLOCK_D=ft._BLOCK_D[d], BLOCK_M=64, BLOCK_N=64, num_warps=4,
+                num_stages=3)
+    grid = (z * h, -(-n // 64))
+    jit = ft._fwd_kernel
+    kernel = jit.run(*fwd_args, grid=grid, warmup=False, **meta)
+    rows = [("parts: fwd kernel via JITFunction.run", "fwd+bwd",
+             lambda: jit.run(*fwd_args, grid=grid, warmup=False, **meta))]
+    try:  # the launcher itself, as JITFunction.run calls it (Triton 3.x internals)
+        from triton.runtime.driver import driver
+        dev = driver.active.get_current_device()
+        binder = jit.device_caches[dev][-1]
+        bound, _, _ = binder(*fwd_args, **meta)
+        vals = tuple(bound.values())
+        stream = driver.active.get_current_stream(dev)
+        rows.append(("parts: fwd kernel via CompiledKernel.run", "fwd+bwd",
+                     lambda: kernel.run(grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata,
+                                        None, None, None, *vals)))
+        rows.append(("parts: binder alone", "fwd+bwd", lambda: binder(*fwd_args, **meta)))
+    except Exception as e:  # noqa: BLE001 - internals differ between Triton versions
+        print(f"direct launch not timed: {type(e).__name__}: {e}")
+    rows += [("parts: flash_fwd_impl", "fwd+bwd", lambda: ft.flash_fwd_impl(qd, kd, vd, True)),
+             ("parts: flash_bwd_impl fused", "fwd+bwd", lambda: ft.flash_bwd_impl(g, qd, kd, vd, o, lse, True, 2)),
+             ("parts: flash_bwd_impl two-pass", "fwd+bwd",
+              lambda: ft.flash_bwd_impl(g, qd, kd, vd, o, lse, True, 0)),
+             ("parts: Function.apply (grad on, no backward)", "fwd+bwd",
+              lambda: ft.FlashAttentionTriton.apply(q, k, v, True)),
+             ("parts: torch.empty_like", "fwd+bwd", lambda: torch.empty_like(qd))]
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq", type=int, default=256)
@@ -45,6 +85,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--parts", action="store_true",
+                    help="also time the pieces of flash_triton's host path (launch paths, wrapper, allocations)")
     args = ap.parse_args()
 
     import core.kernels.flash_triton as ft
@@ -75,6 +117,15 @@ def main() -> None:
     rows = [("sdpa_flash", "fwd", sdpa_fwd), ("sdpa_flash", "fwd+bwd", sdpa_fwd_bwd),
             ("empty autograd.Function", "fwd+bwd", empty_fwd_bwd),
             ("flash_triton", "fwd", ours_fwd), ("flash_triton", "fwd+bwd", ours_fwd_bwd)]
+    if args.parts:
+        def ours_jit_launches():  # the same, every launch through JITFunction.run (no direct launches)
+            ft.FAST_LAUNCH = False
+            try:
+                ours_fwd_bwd()
+            finally:
+                ft.FAST_LAUNCH = True
+        rows.append(("flash_triton, JITFunction.run launches", "fwd+bwd", ours_jit_launches))
+        rows += _part_rows(ft, q, k, v, g)
     for _, _, fn in rows:  # warm-up: compiles and autotuning
         for _ in range(20):
             fn()

@@ -414,3 +414,73 @@ def test_expanded_kv_overlapping_layout(fn_cls):
     k = torch.randn(2, 1, 33, 16, device=DEVICE).expand(2, 3, 33, 16).requires_grad_()
     v = torch.randn(2, 1, 33, 16, device=DEVICE).expand(2, 3, 33, 16).requires_grad_()
     check_against_reference(fn_cls.apply, q, k, v, True, TOL[torch.float32])
+
+
+@needs_triton
+def test_direct_launch_cache_matches_triton_specialization(monkeypatch):
+    """`_run` launches a cached compiled kernel only for the same constexprs, integer values, dtype and
+    16-byte alignment of every pointer (what Triton specializes on), appending the constexprs in the
+    kernel's parameter order; anything else goes through JITFunction.run."""
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = "fn", (4, 1, 0)
+
+        def launch_metadata(self, grid, stream, *args):
+            return None
+
+        def run(self, *args):
+            calls.append(("direct", args))
+
+    class Jit:
+        arg_names = ["X", "Y", "n", "scale", "A", "B"]
+
+        def run(self, *args, grid, warmup, **meta):
+            calls.append(("jit", args))
+            return Compiled()
+
+    monkeypatch.setattr(ft, "INTERPRET", False)
+    monkeypatch.setattr(ft, "FAST_LAUNCH", True)
+    monkeypatch.setattr(ft, "_LAUNCHERS", {})
+    monkeypatch.setattr(ft, "_current_device", lambda: 0)
+    monkeypatch.setattr(ft, "_current_stream", lambda device: 7)
+    raw, x, y = Jit(), torch.zeros(64), torch.zeros(64)
+    launch = lambda *args, **meta: ft._run(raw, (2, 3), args, 2, **meta)  # noqa: E731
+    launch(x, y, 5, 0.5, A=1, B=2, num_warps=4)
+    launch(x, y, 5, 0.5, A=1, B=2, num_warps=4)               # same signature: direct
+    launch(x, y[1:], 5, 0.5, A=1, B=2, num_warps=4)           # a pointer off 16-byte alignment
+    launch(x, y, 6, 0.5, A=1, B=2, num_warps=4)               # another integer value
+    launch(x, y, 5, 0.5, A=1, B=3, num_warps=4)               # another constexpr
+    launch(x.double(), y.double(), 5, 0.5, A=1, B=2, num_warps=4)  # another dtype
+    assert [c[0] for c in calls] == ["jit", "direct", "jit", "jit", "jit", "jit"]
+    direct = calls[1][1]
+    assert direct[:4] == (2, 3, 1, 7) and direct[4:6] == ("fn", (4, 1, 0))
+    assert direct[9:11] == (x, y) and direct[11:] == (5, 0.5, 1, 2)  # constexprs A, B after the runtime args
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("seq", [300, 2048])
+def test_gpu_direct_launches_repeat_exactly(seq):
+    """Repeated calls (the cached direct launches) give the float64-checked results bit for bit, also for
+    inputs that are views at other alignments; and equal what JITFunction.run launches give."""
+    torch.manual_seed(9)
+    q, k, v = make_qkv((1, 2, seq, 64), seq, torch.bfloat16)
+    check_against_reference(FlashAttentionTriton.apply, q, k, v, True, TOL[torch.bfloat16])
+    runs = []
+    for fast in (True, True, False):
+        ft.FAST_LAUNCH = fast
+        try:
+            q.grad = k.grad = v.grad = None
+            out = FlashAttentionTriton.apply(q, k, v, True)
+            out.backward(torch.ones_like(out))
+            runs.append([t.detach().clone() for t in (out, q.grad, k.grad, v.grad)])
+        finally:
+            ft.FAST_LAUNCH = True
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+    buf = torch.randn(3 * seq * 64 * 2 + 8, device="cuda", dtype=torch.bfloat16)
+    for offset in (0, 8, 4):  # 16-byte aligned views, then one that is not
+        qv = buf[offset:offset + seq * 64 * 2].view(1, 2, seq, 64).detach().requires_grad_()
+        check_against_reference(FlashAttentionTriton.apply, qv, k, v, True, TOL[torch.bfloat16])

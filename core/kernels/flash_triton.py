@@ -299,7 +299,7 @@ if HAVE_TRITON:
         return dq
 
     @triton.jit
-    def _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, DELTA, LSE2, pid_zh, off_z, off_h, start_m,
+    def _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, STATS, pid_zh, off_z, off_h, start_m,
                      stride_qz, stride_qh, stride_qm,
                      stride_kz, stride_kh, stride_kn,
                      stride_vz, stride_vh, stride_vn,
@@ -308,12 +308,12 @@ if HAVE_TRITON:
                      stride_dqz, stride_dqh, stride_dqm,
                      n_q, n_k, causal_off, qk_scale, sm_scale,
                      IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_DELTA: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_STATS: tl.constexpr):
         """dQ of the BLOCK_M query rows from start_m: one walk over the key tiles they see.
 
-        delta = rowsum(dO * O) of these rows is computed here from the O and dO tiles; with STORE_DELTA
-        it is stored for the dK/dV pass, and so is the base-2 logsumexp (LSE2, +inf for rows that see
-        no key), which that pass would otherwise rederive for every tile it visits."""
+        delta = rowsum(dO * O) of these rows is computed here from the O and dO tiles; with STORE_STATS
+        it is stored for the dK/dV pass with the base-2 logsumexp (+inf for rows that see no key, which
+        that pass would otherwise rederive for every tile it visits): STATS[row] = (lse2, delta)."""
         k_base = K + off_z * stride_kz + off_h * stride_kh
         v_base = V + off_z * stride_vz + off_h * stride_vh
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -327,12 +327,11 @@ if HAVE_TRITON:
                        offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)          # D_i = rowsum(dO * O)
         row = pid_zh.to(tl.int64) * n_q + offs_m
-        if STORE_DELTA:
-            tl.store(DELTA + row, delta, mask=offs_m < n_q)
         lse = tl.load(LSE + row, mask=offs_m < n_q, other=float("inf"))
         lse2 = _lse_to_base2(lse)
-        if STORE_DELTA:
-            tl.store(LSE2 + row, lse2, mask=offs_m < n_q)
+        if STORE_STATS:
+            tl.store(STATS + 2 * row, lse2, mask=offs_m < n_q)
+            tl.store(STATS + 2 * row + 1, delta, mask=offs_m < n_q)
 
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         n_full = (n_k // BLOCK_N) * BLOCK_N
@@ -356,7 +355,7 @@ if HAVE_TRITON:
     # SEQ_CLASS is a tuning key only and n_heads only divides program ids: neither is specialized, so a
     # new sequence class or head count (1 vs 16) reuses the compiled kernel
     @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
-    def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, LSE2,  # O and DQ are laid out like Q
+    def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, STATS,  # O and DQ are laid out like Q; STATS (Z*H, N_q, 2)
                        stride_qz, stride_qh, stride_qm,
                        stride_kz, stride_kh, stride_kn,
                        stride_vz, stride_vh, stride_vn,
@@ -368,7 +367,7 @@ if HAVE_TRITON:
         pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
         off_z = (pid_zh // n_heads).to(tl.int64)
         off_h = (pid_zh % n_heads).to(tl.int64)
-        _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, DELTA, LSE2, pid_zh, off_z, off_h, pid_m * BLOCK_M,
+        _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, STATS, pid_zh, off_z, off_h, pid_m * BLOCK_M,
                      stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                      stride_vz, stride_vh, stride_vn, stride_qz, stride_qh, stride_qm,
                      stride_doz, stride_doh, stride_dom, stride_qz, stride_qh, stride_qm,
@@ -377,33 +376,39 @@ if HAVE_TRITON:
 
     @triton.jit
     def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, o_base, stride_qm, stride_dom, stride_om,
-                        lse_base, delta_base, dq_base, stride_dqm, sm_scale,
+                        stats_base, dq_base, stride_dqm, sm_scale,
                         offs_n, offs_m0, offs_d, lo, hi, n_q, causal_off, qk_scale,
                         MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                        DELTA_FROM_O: tl.constexpr, dq_desc, DQ_TMA: tl.constexpr, LSE_BASE2: tl.constexpr):
+                        DELTA_FROM_O: tl.constexpr, dq_desc, DQ_TMA: tl.constexpr):
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_m0
             q = _load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, n_q, offs_d,
                            HEAD_DIM, BLOCK_D, MASKED)
             do = _load_rows(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, n_q, offs_d,
                             HEAD_DIM, BLOCK_D, MASKED)
-            if MASKED:
-                lse2 = tl.load(lse_base + offs_m, mask=offs_m < n_q, other=float("inf"))
-            else:
-                lse2 = tl.load(lse_base + offs_m)
             if DELTA_FROM_O:
-                # fused backward: delta = rowsum(dO * O) of this query tile, recomputed from its O tile
-                # (one more tile load per step instead of a preprocessing launch); rows >= n_q give 0
+                # fused backward: stats_base is the natural-log logsumexp, and delta = rowsum(dO * O) of
+                # this query tile is recomputed from its O tile (one more tile load per step instead of a
+                # preprocessing launch); rows >= n_q give 0
+                if MASKED:
+                    lse = tl.load(stats_base + offs_m, mask=offs_m < n_q, other=float("inf"))
+                else:
+                    lse = tl.load(stats_base + offs_m)
+                lse2 = _lse_to_base2(lse)
                 o = _load_rows(o_base + offs_m[:, None] * stride_om + offs_d[None, :], offs_m, n_q, offs_d,
                                HEAD_DIM, BLOCK_D, MASKED)
                 delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-            elif MASKED:
-                delta = tl.load(delta_base + offs_m, mask=offs_m < n_q, other=0.0)
             else:
-                delta = tl.load(delta_base + offs_m)
-            if not LSE_BASE2:  # natural-log logsumexp: to base 2, rows that see no key to +inf
-                lse2 = _lse_to_base2(lse2)
+                # (base-2 logsumexp, delta) pairs from the first launch: one 8-byte load per row, where two
+                # separate vectors cost twice the loads and shared-memory round trips per tile (each thread
+                # holds 16 query columns of S^T); rows >= n_q (masked off in S^T) read as (0, 0)
+                stats_ptrs = stats_base + 2 * offs_m[:, None] + tl.arange(0, 2)[None, :]
+                if MASKED:
+                    stats = tl.load(stats_ptrs, mask=offs_m[:, None] < n_q, other=0.0)
+                else:
+                    stats = tl.load(stats_ptrs)
+                lse2, delta = tl.split(stats)
             s_t = _mm(k, tl.trans(q)) * qk_scale                   # (BLOCK_N, BLOCK_M) = S^T
             if BLOCK_D <= 64:  # dP^T overlaps the exponentials (as in the dQ pass)
                 dp_t = _mm(v, tl.trans(do))
@@ -436,7 +441,7 @@ if HAVE_TRITON:
         return dk, dv
 
     @triton.jit
-    def _bwd_dkdv_tile(Q, K, V, O, DO, DK, DV, LSE, DELTA, DQ_ACC, pid_zh, off_z, off_h, start_n,
+    def _bwd_dkdv_tile(Q, K, V, O, DO, DK, DV, STATS, DQ_ACC, pid_zh, off_z, off_h, start_n,
                        stride_qz, stride_qh, stride_qm,
                        stride_kz, stride_kh, stride_kn,
                        stride_vz, stride_vh, stride_vn,
@@ -447,22 +452,24 @@ if HAVE_TRITON:
                        n_q, n_k, causal_off, qk_scale, sm_scale,
                        IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                       DELTA_FROM_O: tl.constexpr, DQ_TMA: tl.constexpr, LSE_BASE2: tl.constexpr):
+                       DELTA_FROM_O: tl.constexpr, DQ_TMA: tl.constexpr):
         """dK, dV of the BLOCK_N keys from start_n: one walk over the query tiles that see them, in three
-        ranges (masked diagonal, unmasked, masked ragged end). delta comes from DELTA, or is recomputed
-        from O per query tile (DELTA_FROM_O); O / DELTA / DQ_ACC are only read when used."""
+        ranges (masked diagonal, unmasked, masked ragged end). STATS holds (base-2 logsumexp, delta) per
+        row, or, with DELTA_FROM_O, the natural-log logsumexp, delta then recomputed from O per query tile;
+        O / DQ_ACC are only read when used."""
         q_base = Q + off_z * stride_qz + off_h * stride_qh
         do_base = DO + off_z * stride_doz + off_h * stride_doh
         o_base = O + off_z * stride_oz + off_h * stride_oh
-        lse_base = LSE + pid_zh.to(tl.int64) * n_q
-        delta_base = DELTA + pid_zh.to(tl.int64) * n_q
+        if DELTA_FROM_O:
+            stats_base = STATS + pid_zh.to(tl.int64) * n_q
+        else:
+            stats_base = STATS + pid_zh.to(tl.int64) * (2 * n_q)
         dq_base = DQ_ACC + pid_zh.to(tl.int64) * n_q * HEAD_DIM  # contiguous (Z*H, N_q, d) fp32
         if ATOMIC_DQ and DQ_TMA:  # this head's (N_q, d) slice of the fp32 dQ buffer, for bulk reductions
             dq_desc = tl.make_tensor_descriptor(dq_base, shape=[n_q, HEAD_DIM], strides=[HEAD_DIM, 1],
                                                 block_shape=[BLOCK_M, BLOCK_D])
         else:
             dq_desc = dq_base  # unused
-
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_m0 = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
@@ -485,20 +492,18 @@ if HAVE_TRITON:
             lo = 0
             full_lo = 0
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, o_base, stride_qm, stride_dom, stride_om,
-                                 lse_base, delta_base, dq_base, HEAD_DIM, sm_scale,
+                                 stats_base, dq_base, HEAD_DIM, sm_scale,
                                  offs_n, offs_m0, offs_d, lo, full_lo, n_q, causal_off, qk_scale,
-                                 True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ, DELTA_FROM_O, dq_desc, DQ_TMA,
-                                 LSE_BASE2)
+                                 True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ, DELTA_FROM_O, dq_desc, DQ_TMA)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, o_base, stride_qm, stride_dom, stride_om,
-                                 lse_base, delta_base, dq_base, HEAD_DIM, sm_scale,
+                                 stats_base, dq_base, HEAD_DIM, sm_scale,
                                  offs_n, offs_m0, offs_d, full_lo, m_full, n_q, causal_off, qk_scale,
-                                 False, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ, DELTA_FROM_O, dq_desc, DQ_TMA,
-                                 LSE_BASE2)
+                                 False, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ, DELTA_FROM_O, dq_desc, DQ_TMA)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, o_base, stride_qm, stride_dom, stride_om,
-                                 lse_base, delta_base, dq_base, HEAD_DIM, sm_scale,
+                                 stats_base, dq_base, HEAD_DIM, sm_scale,
                                  offs_n, offs_m0, offs_d, tl.maximum(full_lo, m_full), m_pad, n_q, causal_off,
                                  qk_scale, True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ, DELTA_FROM_O,
-                                 dq_desc, DQ_TMA, LSE_BASE2)
+                                 dq_desc, DQ_TMA)
         dk = dk * sm_scale
         _store_rows(DK + off_z * stride_dkz + off_h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
                     dk.to(DK.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
@@ -508,7 +513,7 @@ if HAVE_TRITON:
     # SEQ_CLASS is a tuning key only and n_heads only divides program ids: neither is specialized, so a
     # new sequence class or head count (1 vs 16) reuses the compiled kernel
     @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
-    def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, DQ_ACC,  # DK, DV are laid out like K, V
+    def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, STATS, DQ_ACC,  # DK, DV are laid out like K, V
                          stride_qz, stride_qh, stride_qm,
                          stride_kz, stride_kh, stride_kn,
                          stride_vz, stride_vh, stride_vn,
@@ -521,15 +526,15 @@ if HAVE_TRITON:
         pid_n = tl.program_id(1)  # causal: early key tiles are seen by the most queries: first
         off_z = (pid_zh // n_heads).to(tl.int64)
         off_h = (pid_zh % n_heads).to(tl.int64)
-        # delta and the base-2 logsumexp come from the first backward launch (DELTA, LSE2); O is not read
-        # (DELTA stands in for it, zero strides)
-        _bwd_dkdv_tile(Q, K, V, DELTA, DO, DK, DV, LSE2, DELTA, DQ_ACC, pid_zh, off_z, off_h, pid_n * BLOCK_N,
+        # the (base-2 logsumexp, delta) pairs come from the first backward launch (STATS); O is not read
+        # (STATS stands in for it, zero strides)
+        _bwd_dkdv_tile(Q, K, V, STATS, DO, DK, DV, STATS, DQ_ACC, pid_zh, off_z, off_h, pid_n * BLOCK_N,
                        stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                        stride_vz, stride_vh, stride_vn, 0, 0, 0,
                        stride_doz, stride_doh, stride_dom, stride_kz, stride_kh, stride_kn,
                        stride_vz, stride_vh, stride_vn,
                        n_q, n_k, causal_off, qk_scale, sm_scale,
-                       IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, ATOMIC_DQ, False, DQ_TMA, True)
+                       IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, ATOMIC_DQ, False, DQ_TMA)
 
     # Fused backward: ONE launch, grid (tiles, batch x heads). Program i does
     #   (a) dK, dV of key tile i (BLOCK_N keys), walking the query tiles that see it, and
@@ -555,17 +560,17 @@ if HAVE_TRITON:
         off_z = (pid_zh // n_heads).to(tl.int64)
         off_h = (pid_zh % n_heads).to(tl.int64)
         start_n = pid * BLOCK_N
-        if start_n < n_k:  # (a) key tile pid; LSE stands in for the unused DELTA / DQ_ACC
-            _bwd_dkdv_tile(Q, K, V, O, DO, DK, DV, LSE, LSE, LSE, pid_zh, off_z, off_h, start_n,
+        if start_n < n_k:  # (a) key tile pid (natural-log LSE as its STATS); LSE stands in for the unused DQ_ACC
+            _bwd_dkdv_tile(Q, K, V, O, DO, DK, DV, LSE, LSE, pid_zh, off_z, off_h, start_n,
                            stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                            stride_vz, stride_vh, stride_vn, stride_qz, stride_qh, stride_qm,
                            stride_doz, stride_doh, stride_dom, stride_kz, stride_kh, stride_kn,
                            stride_vz, stride_vh, stride_vn,
                            n_q, n_k, causal_off, qk_scale, sm_scale,
-                           IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, True, False, False)
+                           IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, True, False)
         start_m = pid * BLOCK_M
         if start_m < n_q:  # (b) query tile pid (its delta computed in place, not stored)
-            _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, LSE, LSE, pid_zh, off_z, off_h, start_m,
+            _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, LSE, pid_zh, off_z, off_h, start_m,
                          stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                          stride_vz, stride_vh, stride_vn, stride_qz, stride_qh, stride_qm,
                          stride_doz, stride_doh, stride_dom, stride_qz, stride_qh, stride_qm,
@@ -573,11 +578,11 @@ if HAVE_TRITON:
                          IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
 
     @triton.jit
-    def _bwd_delta_kernel(O, DO, LSE, DELTA, LSE2, stride_oz, stride_oh, stride_om, stride_doz, stride_doh,
+    def _bwd_delta_kernel(O, DO, LSE, STATS, stride_oz, stride_oh, stride_om, stride_doz, stride_doh,
                           stride_dom, n_heads, n_q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_M: tl.constexpr):
-        """delta_i = rowsum(dO_i * O_i) and the base-2 logsumexp, for the atomic-dQ backward (the two-pass dQ
-        kernel computes both itself)."""
+        """STATS[i] = (base-2 logsumexp, delta_i = rowsum(dO_i * O_i)), for the atomic-dQ backward (the two-pass
+        dQ kernel computes both itself)."""
         pid_zh = tl.program_id(0)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
@@ -589,9 +594,9 @@ if HAVE_TRITON:
                         + offs_d[None, :], offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
         row = pid_zh.to(tl.int64) * n_q + offs_m
-        tl.store(DELTA + row, delta, mask=offs_m < n_q)
         lse = tl.load(LSE + row, mask=offs_m < n_q, other=0.0)
-        tl.store(LSE2 + row, _lse_to_base2(lse), mask=offs_m < n_q)
+        tl.store(STATS + 2 * row, _lse_to_base2(lse), mask=offs_m < n_q)
+        tl.store(STATS + 2 * row + 1, delta, mask=offs_m < n_q)
 
     # --------------------------------------------------------------- autotuning
     def _cfg(bm, bn, warps, stages):
@@ -676,7 +681,7 @@ _PINNED: dict[str, tuple[int, int, int, int]] = {}
 
 
 def pin_configs(fwd=None, dq=None, dkdv=None, fused=None) -> None:
-    """Bypass autotuning with fixed (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel (benchmarks).
+    """Bypass autotuning with fixed (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]) per kernel (benchmarks).
 
     `dkdv` pins both the two-pass and the atomic-dQ dK/dV kernel; `fused` the fused backward kernel."""
     _PINNED.clear()
@@ -739,10 +744,65 @@ def _launch(name: str, tuned, raw, zh: int, n_rows: int, args: tuple,
             best = tuned.best_config
             _CHOSEN[key] = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
             return
-    bm, bn, warps, stages = cfg
+    bm, bn, warps, stages, *maxnreg = cfg  # a pinned 5th number caps registers per thread (ptxas maxnreg)
+    if maxnreg:
+        constexprs["maxnreg"] = maxnreg[0]
     grid = _grid(kind, zh, n_rows, n_k, bm, bn)
-    raw.run(*args, grid=grid, warmup=False, IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **constexprs)
+    _run(raw, grid, args, _N_TENSOR_ARGS[kind], IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d,
+         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **constexprs)
+
+
+# Direct launches. `JITFunction.run` binds and specializes every argument, builds a cache key and looks the
+# compiled kernel up on every call: 27 us of host time per launch on the H100 VM's CPU, against 8.5 us for the
+# compiled kernel's own launcher (docs/attention.md, run 11), and a forward+backward makes 2-4 launches. `_run`
+# keeps the compiled kernel per launch signature and calls its launcher directly. Triton specializes a kernel
+# on its constexprs and options, on the value class of each integer (1, multiple of 16, int32 or int64) and
+# on each pointer's dtype and 16-byte alignment; the key holds the integers' values themselves, the
+# dtype and each pointer's alignment, so a hit launches the kernel JITFunction.run would have picked.
+FAST_LAUNCH = True
+_LAUNCHERS: dict[tuple, tuple] = {}
+_N_TENSOR_ARGS = {"fwd": 5, "dq": 8, "dkdv": 8, "fused": 9}  # leading pointer arguments of each kernel
+_MAX_LAUNCHERS = 1024  # distinct shapes / layouts kept; the cache restarts beyond that
+
+
+_current_device = torch.cuda.current_device
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):  # what Triton itself calls: no Stream object built
+    _current_stream = torch._C._cuda_getCurrentRawStream
+else:
+    def _current_stream(device: int) -> int:
+        return torch.cuda.current_stream(device).cuda_stream
+
+
+def _run(raw, grid: tuple, args: tuple, n_tensors: int, **meta) -> None:
+    """`raw[grid](*args, **meta)`; the first n_tensors arguments are tensors, the rest Python scalars."""
+    global FAST_LAUNCH
+    if not FAST_LAUNCH or INTERPRET:
+        raw.run(*args, grid=grid, warmup=False, **meta)
+        return
+    tensors = args[:n_tensors]
+    aligned = 0
+    for t in tensors:
+        aligned = (aligned << 1) | (t.data_ptr() & 15 == 0)
+    device = _current_device()  # where JITFunction.run launches too
+    key = (raw, device, tensors[0].dtype, aligned, args[n_tensors:], *meta.values())
+    hit = _LAUNCHERS.get(key)
+    if hit is None:
+        kernel = raw.run(*args, grid=grid, warmup=False, **meta)  # compiles, or finds the compiled kernel
+        if len(_LAUNCHERS) >= _MAX_LAUNCHERS:
+            _LAUNCHERS.clear()
+        # the launcher takes every kernel parameter, constexprs included (after the runtime ones here)
+        _LAUNCHERS[key] = (kernel, tuple(meta[name] for name in raw.arg_names[len(args):]))
+        return
+    kernel, constexprs = hit
+    full = args + constexprs
+    stream = _current_stream(device)
+    enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
+    try:
+        kernel.run(grid[0], grid[1], grid[2] if len(grid) > 2 else 1, stream, kernel.function,
+                   kernel.packed_metadata, kernel.launch_metadata(grid, stream, *full), enter, leave, *full)
+    except TypeError:  # a Triton whose launcher takes other arguments: back to JITFunction.run for good
+        FAST_LAUNCH = False
+        raw.run(*args, grid=grid, warmup=False, **meta)
 
 
 _TMA_BY_DEVICE: dict[int, bool] = {}
@@ -868,14 +928,15 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Te
         block_d = _BLOCK_D[d]
         o_part = torch.empty((z * h, splits, n_q, block_d), device=q.device, dtype=torch.float32)
         lse_part = torch.empty((z * h, splits, n_q), device=q.device, dtype=torch.float32)
-        _fwd_split_kernel[(z * h, _cdiv(n_q, bm), splits)](
-            q, k, v, o_part, lse_part, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
-            h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), split_len, seq_class,
-            IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn,
-            num_warps=warps, num_stages=stages)
+        _run(_fwd_split_kernel, (z * h, _cdiv(n_q, bm), splits),
+             (q, k, v, o_part, lse_part, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+              h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), split_len, seq_class), 5,
+             IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn,
+             num_warps=warps, num_stages=stages)
         # 32-row merge tiles: 96 registers at d = 128 (64 rows: 230), and twice the programs on a small grid
-        _fwd_merge_kernel[(z * h, _cdiv(n_q, 32))](o_part, lse_part, o, lse, sq[0], sq[1], sq[2], h, n_q, splits,
-                                                  HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=32)
+        _run(_fwd_merge_kernel, (z * h, _cdiv(n_q, 32)),
+             (o_part, lse_part, o, lse, sq[0], sq[1], sq[2], h, n_q, splits), 4,
+             HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=32)
         return o, lse
     args = (q, k, v, o, lse, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
             h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), seq_class)
@@ -957,27 +1018,27 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
                 is_causal, d, block_d, seq_class, q.dtype, n_k=n_k)
         return dq, dk, dv
     atomic_dq = variant == BWD_ATOMIC_DQ
-    # per row: delta = rowsum(dO * O) and the base-2 logsumexp, written by the first launch for the dK/dV pass
-    delta, lse2 = torch.empty((2, z, h, n_q), device=q.device, dtype=torch.float32).unbind(0)
-    if atomic_dq:  # delta first; the dK/dV pass then adds dS K into an fp32 buffer
-        _bwd_delta_kernel[(z * h, _cdiv(n_q, 64))](o, do, lse, delta, lse2, sq[0], sq[1], sq[2],
-                                                  sdo[0], sdo[1], sdo[2], h, n_q,
-                                                  HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=64)
+    dq_tma = atomic_dq and _has_tma(q.device)
+    if dq_tma:
+        _ensure_scratch_allocator()
+    # per row, (base-2 logsumexp, delta = rowsum(dO * O)), written by the first launch for the dK/dV pass
+    stats = torch.empty((z, h, n_q, 2), device=q.device, dtype=torch.float32)
+    if atomic_dq:  # the row stats first; the dK/dV pass then adds dS K into an fp32 buffer
+        _run(_bwd_delta_kernel, (z * h, _cdiv(n_q, 64)),
+             (o, do, lse, stats, sq[0], sq[1], sq[2], sdo[0], sdo[1], sdo[2], h, n_q), 4,
+             HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=64)
         dq_acc = torch.zeros((z, h, n_q, d), device=q.device, dtype=torch.float32)
-    else:  # the dQ pass (it also computes and stores delta)
-        dq_args = (q, k, v, o, do, dq, lse, delta, lse2,
+    else:  # the dQ pass (it also computes and stores the row stats)
+        dq_args = (q, k, v, o, do, dq, lse, stats,
                    sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
                    h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
         _launch("dq", _dq_tuned if not INTERPRET else None, _bwd_dq_kernel, z * h, n_q, dq_args,
                 is_causal, d, block_d, seq_class, q.dtype)
-        dq_acc = delta  # DQ_ACC is not touched without atomics
-    dkdv_args = (q, k, v, do, dk, dv, lse2, delta, dq_acc,
+        dq_acc = stats  # DQ_ACC is not touched without atomics
+    dkdv_args = (q, k, v, do, dk, dv, stats, dq_acc,
                  sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
                  h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
     name, tuned = ("dkdv_atomic", _dkdv_atomic_tuned) if atomic_dq else ("dkdv", _dkdv_tuned)
-    dq_tma = atomic_dq and _has_tma(q.device)
-    if dq_tma:
-        _ensure_scratch_allocator()
     _launch(name, tuned if not INTERPRET else None, _bwd_dkdv_kernel, z * h, n_k, dkdv_args,
             is_causal, d, block_d, seq_class, q.dtype, ATOMIC_DQ=atomic_dq, DQ_TMA=dq_tma)
     if atomic_dq:
