@@ -757,8 +757,8 @@ def _launch(name: str, tuned, raw, zh: int, n_rows: int, args: tuple,
 # compiled kernel's own launcher (docs/attention.md, run 11), and a forward+backward makes 2-4 launches. `_run`
 # keeps the compiled kernel per launch signature and calls its launcher directly. Triton specializes a kernel
 # on its constexprs and options, on the value class of each integer (1, multiple of 16, int32 or int64) and
-# on each pointer's dtype and 16-byte alignment; the key holds the integers' values themselves, the
-# dtype and each pointer's alignment, so a hit launches the kernel JITFunction.run would have picked.
+# on each pointer's dtype and 16-byte alignment; the key holds the integers' values themselves and each
+# pointer's dtype and alignment, so a hit launches the kernel JITFunction.run would have picked.
 FAST_LAUNCH = True
 _LAUNCHERS: dict[tuple, tuple] = {}
 _N_TENSOR_ARGS = {"fwd": 5, "dq": 8, "dkdv": 8, "fused": 9}  # leading pointer arguments of each kernel
@@ -779,12 +779,11 @@ def _run(raw, grid: tuple, args: tuple, n_tensors: int, **meta) -> None:
     if not FAST_LAUNCH or INTERPRET:
         raw.run(*args, grid=grid, warmup=False, **meta)
         return
-    tensors = args[:n_tensors]
-    aligned = 0
-    for t in tensors:
-        aligned = (aligned << 1) | (t.data_ptr() & 15 == 0)
+    # every pointer's dtype and alignment (the split-KV merge takes fp32 partials and writes O in the inputs'
+    # dtype: one dtype per launch would confuse its fp32 and bf16 variants)
+    pointers = tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in args[:n_tensors]])
     device = _current_device()  # where JITFunction.run launches too
-    key = (raw, device, tensors[0].dtype, aligned, args[n_tensors:], *meta.values())
+    key = (raw, device, pointers, args[n_tensors:], *meta.values())
     hit = _LAUNCHERS.get(key)
     if hit is None:
         kernel = raw.run(*args, grid=grid, warmup=False, **meta)  # compiles, or finds the compiled kernel
