@@ -23,7 +23,8 @@ without the host's launch path (Python, autograd, dispatch). At B = H = 1 and S 
 implementation's eager time is mostly that host path; the graph columns compare the kernels.
 
 Pin Triton tiles for a variant with an impl name like
-``flash_triton@fwd=128x64x8x3,dq=128x64x8x3,dkdv=64x128x8x3`` (BLOCK_M x BLOCK_N x warps x stages),
+``flash_triton@fwd=128x64x8x3,dq=128x64x8x3,dkdv=64x128x8x3`` (BLOCK_M x BLOCK_N x warps x stages, and
+optionally x maxnreg, a cap on registers per thread: ``dkdv=64x64x4x3x168``),
 or ``flash_triton_fused@fused=64x64x4x3`` for the fused backward kernel.
 """
 from __future__ import annotations

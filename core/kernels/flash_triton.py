@@ -104,6 +104,12 @@ if HAVE_TRITON:
         return tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
 
     @triton.jit
+    def _store_stats(STATS, row, lse2, delta, mask):
+        """The dK/dV pass's per-row inputs as one (base-2 logsumexp, delta) pair: STATS[row] = (lse2, delta)."""
+        tl.store(STATS + 2 * row, lse2, mask=mask)
+        tl.store(STATS + 2 * row + 1, delta, mask=mask)
+
+    @triton.jit
     def _store_rows(ptrs, x, offs_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
         if BLOCK_D == HEAD_DIM:
             tl.store(ptrs, x, mask=offs_r[:, None] < n_rows)
@@ -330,8 +336,7 @@ if HAVE_TRITON:
         lse = tl.load(LSE + row, mask=offs_m < n_q, other=float("inf"))
         lse2 = _lse_to_base2(lse)
         if STORE_STATS:
-            tl.store(STATS + 2 * row, lse2, mask=offs_m < n_q)
-            tl.store(STATS + 2 * row + 1, delta, mask=offs_m < n_q)
+            _store_stats(STATS, row, lse2, delta, offs_m < n_q)
 
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         n_full = (n_k // BLOCK_N) * BLOCK_N
@@ -595,8 +600,7 @@ if HAVE_TRITON:
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
         row = pid_zh.to(tl.int64) * n_q + offs_m
         lse = tl.load(LSE + row, mask=offs_m < n_q, other=0.0)
-        tl.store(STATS + 2 * row, _lse_to_base2(lse), mask=offs_m < n_q)
-        tl.store(STATS + 2 * row + 1, delta, mask=offs_m < n_q)
+        _store_stats(STATS, row, _lse_to_base2(lse), delta, offs_m < n_q)
 
     # --------------------------------------------------------------- autotuning
     def _cfg(bm, bn, warps, stages):
