@@ -799,11 +799,11 @@ def _run(raw, grid: tuple, args: tuple, n_tensors: int, **meta) -> None:
     kernel, constexprs = hit
     full = args + constexprs
     stream = _current_stream(device)
-    enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
     try:
+        enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
         kernel.run(grid[0], grid[1], grid[2] if len(grid) > 2 else 1, stream, kernel.function,
                    kernel.packed_metadata, kernel.launch_metadata(grid, stream, *full), enter, leave, *full)
-    except TypeError:  # a Triton whose launcher takes other arguments: back to JITFunction.run for good
+    except (TypeError, AttributeError):  # another Triton's launcher or knobs: back to JITFunction.run for good
         FAST_LAUNCH = False
         raw.run(*args, grid=grid, warmup=False, **meta)
 
