@@ -25,7 +25,8 @@ implementation's eager time is mostly that host path; the graph columns compare 
 Pin Triton tiles for a variant with an impl name like
 ``flash_triton@fwd=128x64x8x3,dq=128x64x8x3,dkdv=64x128x8x3`` (BLOCK_M x BLOCK_N x warps x stages, and
 optionally x maxnreg, a cap on registers per thread: ``dkdv=64x64x4x3x168``),
-or ``flash_triton_fused@fused=64x64x4x3`` for the fused backward kernel.
+or ``flash_triton_fused@fused=64x64x4x3`` for the fused backward kernel. ``flash_triton@gluon=1`` runs the
+dK/dV pass with the Gluon kernel for Hopper (core/kernels/flash_gluon.py) where it applies.
 """
 from __future__ import annotations
 
@@ -96,12 +97,15 @@ def make_impl(name: str):
             kname, _, cfg = part.partition("=")
             pins[kname] = tuple(int(x) for x in cfg.split("x"))
 
+        # @gluon=1: the Gluon dK/dV kernel where it applies (Hopper, d = 64; core/kernels/flash_gluon.py)
+        gluon = bool(pins.pop("gluon", (0,))[0])
         pinned = {n: tuple(c) for n, c in pins.items()}
         apply = getattr(ft, TRITON_CLASSES[base]).apply
 
         def fa(q, k, v):
             if ft._PINNED != pinned:  # variants share the process: re-pin only when it changed
                 ft.pin_configs(**pins)
+            ft.GLUON_DKDV = gluon
             return apply(q, k, v, True)
         return fa
     raise ValueError(f"unknown impl {name!r}: use one of {', '.join(ALL_IMPLS)} (flash_triton@..., "

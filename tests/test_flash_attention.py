@@ -486,3 +486,92 @@ def test_gpu_direct_launches_repeat_exactly(seq):
         qv = buf[offset:offset + seq * 64 * 2].view(1, 2, seq, 64).detach().requires_grad_()
         kv, vv = (x.detach().requires_grad_() for x in (k, v))  # fresh leaves: .grad starts empty
         check_against_reference(FlashAttentionTriton.apply, qv, kv, vv, True, TOL[torch.bfloat16])
+
+
+# ------------------------------------------------------------------ the Gluon dK/dV kernel (Hopper)
+_GLUON_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from core.kernels import flash_gluon as fg
+jf = fg._dkdv_kernel
+constexprs = dict(IS_CAUSAL=True, HEAD_DIM=64, BLOCK_M=fg.BLOCK_M, BLOCK_N=fg.BLOCK_N, STAGES=fg.STAGES)
+sig = {}
+for name in jf.arg_names:
+    if name in constexprs:
+        sig[name] = "constexpr"
+    elif name == "STATS":
+        sig[name] = "*fp32"
+    elif name.isupper():
+        sig[name] = "*bf16"
+    else:
+        sig[name] = "fp32" if name.endswith("scale") else "i32"
+kernel = triton.compile(GluonASTSource(fn=jf, signature=sig, constexprs=constexprs),
+                        target=GPUTarget("cuda", 90, 128), options={"num_warps": fg.NUM_WARPS})
+ptx = kernel.asm["ptx"]
+assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and kernel.asm["cubin"]
+print("compiled")
+"""
+
+
+def test_gluon_dkdv_compiles_for_sm90():
+    """The Gluon kernel compiles for sm_90a with the installed Triton, no GPU needed (the CPU machines run a
+    newer Triton than the GPU machine, and Gluon's API moves between releases). In a child process: this
+    one's Triton runs kernels under the interpreter, which does not compile."""
+    from core.kernels import flash_gluon as fg
+    if not fg.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", _GLUON_COMPILE], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+
+
+def test_gluon_dkdv_only_where_it_applies(monkeypatch):
+    """Off unless asked for; never for fp32, other head dims, pinned dK/dV tiles or under the interpreter."""
+    x = torch.zeros(1, 1, 64, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(ft, "INTERPRET", False)
+    assert not ft._gluon_dkdv_ok(x, x, 64, False)  # GLUON_DKDV is off by default
+    monkeypatch.setattr(ft, "GLUON_DKDV", True)
+    assert not ft._gluon_dkdv_ok(x.float(), x.float(), 64, False)
+    assert not ft._gluon_dkdv_ok(x[..., :32], x[..., :32], 32, False)
+    assert not ft._gluon_dkdv_ok(x, x, 64, True)
+    monkeypatch.setattr(ft, "INTERPRET", True)
+    assert not ft._gluon_dkdv_ok(x, x, 64, False)
+
+
+def _gluon_usable() -> bool:
+    from core.kernels import flash_gluon as fg
+    return CUDA and fg.HAVE_GLUON and torch.cuda.get_device_capability() == (9, 0)
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape_q,n_k,causal,dtype", [
+    ((2, 3, 258, 64), 258, True, torch.bfloat16),
+    ((1, 2, 200, 64), 333, True, torch.bfloat16),
+    ((1, 2, 334, 64), 200, True, torch.bfloat16),
+    ((2, 2, 1000, 64), 1000, False, torch.float16),
+    ((2, 3, 257, 64), 257, True, torch.bfloat16),  # odd N_q: falls back to the Triton kernel
+])
+def test_gpu_gluon_dkdv_matches(shape_q, n_k, causal, dtype, monkeypatch):
+    """With GLUON_DKDV on: gradients against float64, and dK / dV against the Triton dK/dV kernel's."""
+    if not _gluon_usable():
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    torch.manual_seed(12)
+    monkeypatch.setattr(ft, "GLUON_DKDV", True)
+    q, k, v = make_qkv(shape_q, n_k, dtype, noncontig=shape_q[0] == 2 and not causal)
+    assert ft._gluon_dkdv_ok(q.detach(), q.detach(), 64, False) == (shape_q[2] % 2 == 0)
+    check_against_reference(FlashAttentionTriton.apply, q, k, v, causal, TOL[dtype])
+    monkeypatch.setattr(ft, "GLUON_DKDV", True)
+    out = FlashAttentionTriton.apply(q, k, v, causal)
+    do = torch.randn_like(out)
+    gk, gv = torch.autograd.grad(out, (k, v), do)
+    monkeypatch.setattr(ft, "GLUON_DKDV", False)
+    rk, rv = torch.autograd.grad(FlashAttentionTriton.apply(q, k, v, causal), (k, v), do)
+    for a, b in ((gk, rk), (gv, rv)):
+        assert torch.allclose(a.float(), b.float(), atol=1e-2, rtol=1e-2)

@@ -1038,6 +1038,9 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         _launch("dq", _dq_tuned if not INTERPRET else None, _bwd_dq_kernel, z * h, n_q, dq_args,
                 is_causal, d, block_d, seq_class, q.dtype)
         dq_acc = stats  # DQ_ACC is not touched without atomics
+    if not atomic_dq and _gluon_dkdv_ok(q, do, d, "dkdv" in _PINNED):
+        _launch_gluon_dkdv(q, k, v, do, dk, dv, stats, sq, sk, sv, sdo, h, n_q, n_k, causal_off, sm_scale, is_causal)
+        return dq, dk, dv
     dkdv_args = (q, k, v, do, dk, dv, stats, dq_acc,
                  sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
                  h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
@@ -1047,6 +1050,40 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     if atomic_dq:
         dq.copy_(dq_acc)
     return dq, dk, dv
+
+
+# The Hopper dK/dV pass in Gluon (`flash_gluon`): K and V as register wgmma operands, TMA loads, asynchronous
+# wgmmas. Opt-in (it measured level with the Triton kernel, run 12): with GLUON_DKDV on, the two-pass backward
+# uses it where it applies (sm_90, fp16 / bf16, d = 64, even N_q, 16-byte aligned Q and dO rows) unless the
+# dK/dV tiles are pinned (pins select the Triton kernel's tiles).
+GLUON_DKDV = False
+_GLUON_BY_DEVICE: dict[int, bool] = {}
+
+
+def _gluon_dkdv_ok(q: Tensor, do: Tensor, d: int, pinned: bool) -> bool:
+    if not GLUON_DKDV or INTERPRET or pinned or q.dtype == torch.float32:
+        return False
+    from core.kernels import flash_gluon
+    if d not in flash_gluon.HEAD_DIMS:
+        return False
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    ok = _GLUON_BY_DEVICE.get(index)
+    if ok is None:  # wgmma is sm_90 only (Blackwell has other tensor-core instructions)
+        ok = _GLUON_BY_DEVICE[index] = flash_gluon.HAVE_GLUON and torch.cuda.get_device_capability(index) == (9, 0)
+    # TMA: 16-byte aligned bases and row strides; an even N_q keeps each head's (lse2, delta) rows 16-byte aligned
+    return ok and q.shape[2] % 2 == 0 and q.data_ptr() % 16 == 0 and do.data_ptr() % 16 == 0 \
+        and all(s % 8 == 0 for s in q.stride()[:3] + do.stride()[:3])
+
+
+def _launch_gluon_dkdv(q, k, v, do, dk, dv, stats, sq, sk, sv, sdo, h, n_q, n_k, causal_off, sm_scale, is_causal):
+    from core.kernels import flash_gluon as fg
+    _ensure_scratch_allocator()  # the kernel builds its TMA descriptors on the device
+    z = q.shape[0]
+    grid = (z * h, _cdiv(n_k, fg.BLOCK_N))
+    fg._dkdv_kernel[grid](q, k, v, do, dk, dv, stats, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+                          sdo[0], sdo[1], sdo[2], h, n_q, n_k, z * h * n_q, causal_off, sm_scale * LOG2E,
+                          sm_scale, IS_CAUSAL=is_causal, HEAD_DIM=q.shape[3], BLOCK_M=fg.BLOCK_M, BLOCK_N=fg.BLOCK_N,
+                          STAGES=fg.STAGES, num_warps=fg.NUM_WARPS)
 
 
 # ------------------------------------------------------- torch.library registration
