@@ -139,7 +139,8 @@ if HAVE_GLUON:
         k_op = gl.convert_layout(k, gl.DotOperandLayout(0, mma_s, 2))
         v_op = gl.convert_layout(v, gl.DotOperandLayout(0, mma_s, 2))
 
-        # query tiles [lo, m_pad): masked diagonal ones [lo, full_lo), unmasked [full_lo, m_full), ragged end
+        # query tiles [lo, m_pad): masked diagonal ones [lo, full_lo), unmasked [full_lo, m_full), ragged end (the
+        # ranges of flash_triton._bwd_dkdv_tile: Gluon code cannot call that Triton function)
         m_full = (n_q // BLOCK_M) * BLOCK_M
         m_pad = gl.cdiv(n_q, BLOCK_M) * BLOCK_M
         if IS_CAUSAL:

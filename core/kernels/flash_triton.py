@@ -808,7 +808,16 @@ def _run(raw, grid: tuple, args: tuple, n_tensors: int, **meta) -> None:
         raw.run(*args, grid=grid, warmup=False, **meta)
 
 
-_TMA_BY_DEVICE: dict[int, bool] = {}
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA device's compute capability, looked up once per device (it sits on the launch path)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _CAPABILITY.get(index)
+    if cap is None:
+        cap = _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return cap
 
 
 def _has_tma(device: torch.device) -> bool:
@@ -816,11 +825,7 @@ def _has_tma(device: torch.device) -> bool:
     the CPU interpreter has no descriptor reductions and keeps per-element atomics)."""
     if INTERPRET or device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    has = _TMA_BY_DEVICE.get(index)
-    if has is None:
-        has = _TMA_BY_DEVICE[index] = torch.cuda.get_device_capability(index) >= (9, 0)
-    return has
+    return _capability(device) >= (9, 0)
 
 
 def _torch_scratch(size: int, alignment: int, stream) -> Tensor:
@@ -1057,7 +1062,6 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
 # uses it where it applies (sm_90, fp16 / bf16, d = 64, even N_q, 16-byte aligned Q and dO rows) unless the
 # dK/dV tiles are pinned (pins select the Triton kernel's tiles).
 GLUON_DKDV = False
-_GLUON_BY_DEVICE: dict[int, bool] = {}
 
 
 def _gluon_dkdv_ok(q: Tensor, do: Tensor, d: int, pinned: bool) -> bool:
@@ -1066,12 +1070,9 @@ def _gluon_dkdv_ok(q: Tensor, do: Tensor, d: int, pinned: bool) -> bool:
     from core.kernels import flash_gluon
     if d not in flash_gluon.HEAD_DIMS:
         return False
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    ok = _GLUON_BY_DEVICE.get(index)
-    if ok is None:  # wgmma is sm_90 only (Blackwell has other tensor-core instructions)
-        ok = _GLUON_BY_DEVICE[index] = flash_gluon.HAVE_GLUON and torch.cuda.get_device_capability(index) == (9, 0)
-    # TMA: 16-byte aligned bases and row strides; an even N_q keeps each head's (lse2, delta) rows 16-byte aligned
-    return ok and q.shape[2] % 2 == 0 and q.data_ptr() % 16 == 0 and do.data_ptr() % 16 == 0 \
+    # wgmma is sm_90 only (Blackwell has other tensor-core instructions); TMA: 16-byte aligned bases and row
+    # strides, and an even N_q keeps each head's (lse2, delta) rows 16-byte aligned
+    return flash_gluon.HAVE_GLUON and _capability(q.device) == (9, 0) and q.shape[2] % 2 == 0 and q.data_ptr() % 16 == 0 and do.data_ptr() % 16 == 0 \
         and all(s % 8 == 0 for s in q.stride()[:3] + do.stride()[:3])
 
 
