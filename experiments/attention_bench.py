@@ -26,7 +26,9 @@ Pin Triton tiles for a variant with an impl name like
 ``flash_triton@fwd=128x64x8x3,dq=128x64x8x3,dkdv=64x128x8x3`` (BLOCK_M x BLOCK_N x warps x stages, and
 optionally x maxnreg, a cap on registers per thread: ``dkdv=64x64x4x3x168``),
 or ``flash_triton_fused@fused=64x64x4x3`` for the fused backward kernel. ``flash_triton@gluon=1`` runs the
-dK/dV pass with the Gluon kernel for Hopper (core/kernels/flash_gluon.py) where it applies.
+two-pass backward's dK/dV pass with the Gluon kernel for Hopper (core/kernels/flash_gluon.py) where it applies;
+``flash_triton@ws=0`` turns off the warp-specialised Gluon backward (the default for long rows on Hopper, and
+the atomic-dQ variant's kernel there), so the two-pass or Triton atomic backward runs instead.
 """
 from __future__ import annotations
 
@@ -97,15 +99,17 @@ def make_impl(name: str):
             kname, _, cfg = part.partition("=")
             pins[kname] = tuple(int(x) for x in cfg.split("x"))
 
-        # @gluon=1: the Gluon dK/dV kernel where it applies (Hopper, d = 64; core/kernels/flash_gluon.py)
+        # @gluon=1: the Gluon dK/dV kernel where it applies (Hopper, d = 64; core/kernels/flash_gluon.py);
+        # @ws=0: no warp-specialised Gluon backward
         gluon = bool(pins.pop("gluon", (0,))[0])
+        ws = bool(pins.pop("ws", (1,))[0])
         pinned = {n: tuple(c) for n, c in pins.items()}
         apply = getattr(ft, TRITON_CLASSES[base]).apply
 
         def fa(q, k, v):
             if ft._PINNED != pinned:  # variants share the process: re-pin only when it changed
                 ft.pin_configs(**pins)
-            ft.GLUON_DKDV = gluon
+            ft.GLUON_DKDV, ft.GLUON_WS = gluon, ws
             return apply(q, k, v, True)
         return fa
     raise ValueError(f"unknown impl {name!r}: use one of {', '.join(ALL_IMPLS)} (flash_triton@..., "
@@ -389,6 +393,7 @@ def main(argv=None) -> int:
         out += ["\n### flash_triton kernels alone (no autograd), leaderboard shape\n"]
         from core.kernels import flash_triton as ft
         ft.pin_configs()
+        ft.GLUON_DKDV, ft.GLUON_WS = False, True
         q, k, v, do = (torch.randn(1, 16, 16384, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         o, lse = ft.flash_fwd_impl(q, k, v, True)
         t_f = do_bench(lambda: ft.flash_fwd_impl(q, k, v, True), warmup=warmup, rep=rep, return_mode="median")
@@ -399,7 +404,7 @@ def main(argv=None) -> int:
         f = attn_flops(1, 16, 16384, 64, "fwd")
         out += [f"- forward kernel {t_f:.3f} ms ({f / t_f / 1e9:.0f} TFLOP/s); backward kernels (dq pass + "
                 f"dk/dv pass) {t_b:.3f} ms ({2.5 * f / t_b / 1e9:.0f} TFLOP/s); one-pass atomic-dQ backward "
-                f"{t_a:.3f} ms ({2.5 * f / t_a / 1e9:.0f} TFLOP/s)"]
+                f"(the warp-specialised Gluon kernel where it applies) {t_a:.3f} ms ({2.5 * f / t_a / 1e9:.0f} TFLOP/s)"]
         if any(i.partition("@")[0] == "flash_triton_fused" for i in impls):
             t_u = do_bench(lambda: ft.flash_bwd_impl(do, q, k, v, o, lse, True, ft.BWD_FUSED), warmup=warmup,
                            rep=rep, return_mode="median")

@@ -494,22 +494,27 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from core.kernels import flash_gluon as fg
-jf = fg._dkdv_kernel
-constexprs = dict(IS_CAUSAL=True, HEAD_DIM=64, BLOCK_M=fg.BLOCK_M, BLOCK_N=fg.BLOCK_N, STAGES=fg.STAGES)
-sig = {}
-for name in jf.arg_names:
-    if name in constexprs:
-        sig[name] = "constexpr"
-    elif name == "STATS":
-        sig[name] = "*fp32"
-    elif name.isupper():
-        sig[name] = "*bf16"
-    else:
-        sig[name] = "fp32" if name.endswith("scale") else "i32"
-kernel = triton.compile(GluonASTSource(fn=jf, signature=sig, constexprs=constexprs),
-                        target=GPUTarget("cuda", 90, 128), options={"num_warps": fg.NUM_WARPS})
-ptx = kernel.asm["ptx"]
-assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and kernel.asm["cubin"]
+common = dict(IS_CAUSAL=True, HEAD_DIM=64, BLOCK_M=fg.BLOCK_M, BLOCK_N=fg.BLOCK_N)
+for jf, constexprs in ((fg._dkdv_kernel, dict(common, STAGES=fg.STAGES)),
+                       (fg._bwd_ws_kernel, dict(common, STAGES=fg.WS_STAGES, PREFETCH=fg.WS_PREFETCH,
+                                                WS_REGS=fg.WS_REGS))):
+    sig = {}
+    for name in jf.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in ("STATS", "DQ_ACC"):
+            sig[name] = "*fp32"
+        elif name.isupper():
+            sig[name] = "*bf16"
+        else:
+            sig[name] = "fp32" if name.endswith("scale") else "i32"
+    kernel = triton.compile(GluonASTSource(fn=jf, signature=sig, constexprs=constexprs),
+                            target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and kernel.asm["cubin"]
+    # the one-pass kernel adds its dQ parts with bulk tensor reductions, from two warpgroups (8 warps)
+    ws = jf is fg._bwd_ws_kernel
+    assert ("cp.reduce.async.bulk.tensor" in ptx) == ws and kernel.metadata.num_warps == (8 if ws else 4)
 print("compiled")
 """
 
@@ -531,17 +536,44 @@ def test_gluon_dkdv_compiles_for_sm90():
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
 
 
-def test_gluon_dkdv_only_where_it_applies(monkeypatch):
-    """Off unless asked for; never for fp32, other head dims, pinned dK/dV tiles or under the interpreter."""
+def test_gluon_kernels_only_where_they_apply(monkeypatch):
+    """The Gluon dK/dV pass is off unless asked for, the warp-specialised backward on; neither runs for fp32,
+    other head dims, odd N_q, CPU tensors or under the interpreter, nor the dK/dV pass with pinned tiles."""
     x = torch.zeros(1, 1, 64, 64, dtype=torch.bfloat16)
     monkeypatch.setattr(ft, "INTERPRET", False)
-    assert not ft._gluon_dkdv_ok(x, x, 64, False)  # GLUON_DKDV is off by default
+    monkeypatch.setattr(ft, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda", 0)))
+    assert ft._gluon_ws_ok(x, x, 64) and not ft._gluon_dkdv_ok(x, x, 64, False)  # the defaults
     monkeypatch.setattr(ft, "GLUON_DKDV", True)
-    assert not ft._gluon_dkdv_ok(x.float(), x.float(), 64, False)
-    assert not ft._gluon_dkdv_ok(x[..., :32], x[..., :32], 32, False)
-    assert not ft._gluon_dkdv_ok(x, x, 64, True)
+    assert ft._gluon_dkdv_ok(x, x, 64, False) and not ft._gluon_dkdv_ok(x, x, 64, True)
+    for ok in (ft._gluon_ws_ok, lambda q, do, d: ft._gluon_dkdv_ok(q, do, d, False)):
+        assert not ok(x.float(), x.float(), 64)
+        assert not ok(x[..., :32], x[..., :32], 32)
+        assert not ok(x[:, :, :63], x[:, :, :63], 64)  # odd N_q
+        off = torch.zeros(62 * 64 + 4, dtype=torch.bfloat16)[4:].view(1, 1, 62, 64)  # 8 bytes off 16
+        assert not ok(off, x[:, :, :62], 64) and ok(x[:, :, :62], x[:, :, :62], 64)
+    monkeypatch.setattr(ft, "_capability", lambda device: (10, 0))
+    assert not ft._gluon_ws_ok(x, x, 64)
+    monkeypatch.setattr(ft, "_capability", lambda device: (9, 0))
     monkeypatch.setattr(ft, "INTERPRET", True)
-    assert not ft._gluon_dkdv_ok(x, x, 64, False)
+    assert not ft._gluon_ws_ok(x, x, 64)
+
+
+def test_default_backward_policy(monkeypatch):
+    """The default class: fused on small grids, the warp-specialised backward from WS_MIN_ROWS rows where it
+    applies (but not under torch.use_deterministic_algorithms), else two passes."""
+    monkeypatch.setattr(ft, "_gluon_ws_ok", lambda q, do, d: True)
+    long = torch.empty(1, 16, ft.WS_MIN_ROWS, 64, dtype=torch.bfloat16)
+    short = torch.empty(1, 16, ft.WS_MIN_ROWS // 2, 64, dtype=torch.bfloat16)
+    small = torch.empty(1, 1, 256, 64, dtype=torch.bfloat16)
+    assert ft._default_bwd(long, long, long) == ft.BWD_ATOMIC_DQ
+    assert ft._default_bwd(short, short, short) == ft.BWD_TWO_PASS
+    assert ft._default_bwd(small, small, small) == ft.BWD_FUSED
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert ft._default_bwd(long, long, long) == ft.BWD_TWO_PASS
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: False)
+    monkeypatch.setattr(ft, "_gluon_ws_ok", lambda q, do, d: False)
+    assert ft._default_bwd(long, long, long) == ft.BWD_TWO_PASS
 
 
 def _gluon_usable() -> bool:
@@ -551,26 +583,52 @@ def _gluon_usable() -> bool:
 
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel", ["dkdv", "ws"])
 @pytest.mark.parametrize("shape_q,n_k,causal,dtype", [
     ((2, 3, 258, 64), 258, True, torch.bfloat16),
-    ((1, 2, 200, 64), 333, True, torch.bfloat16),
-    ((1, 2, 334, 64), 200, True, torch.bfloat16),
+    ((1, 2, 200, 64), 333, True, torch.bfloat16),   # N_k not a multiple of the 128 keys of a ws program
+    ((1, 2, 334, 64), 200, True, torch.bfloat16),   # rows that see no key
     ((2, 2, 1000, 64), 1000, False, torch.float16),
-    ((2, 3, 257, 64), 257, True, torch.bfloat16),  # odd N_q: falls back to the Triton kernel
+    ((2, 3, 257, 64), 257, True, torch.bfloat16),   # odd N_q: falls back to the Triton kernels
 ])
-def test_gpu_gluon_dkdv_matches(shape_q, n_k, causal, dtype, monkeypatch):
-    """With GLUON_DKDV on: gradients against float64, and dK / dV against the Triton dK/dV kernel's."""
+def test_gpu_gluon_kernels_match(kernel, shape_q, n_k, causal, dtype, monkeypatch):
+    """The Gluon dK/dV pass (two-pass backward, GLUON_DKDV) and the warp-specialised one-pass backward (atomic dQ,
+    GLUON_WS): gradients against float64, and dK / dV against the Triton two-pass backward's."""
     if not _gluon_usable():
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
     torch.manual_seed(12)
-    monkeypatch.setattr(ft, "GLUON_DKDV", True)
+    variant = ft.BWD_TWO_PASS if kernel == "dkdv" else ft.BWD_ATOMIC_DQ
+    monkeypatch.setattr(ft, "_default_bwd", lambda q, k, do: variant)
+    monkeypatch.setattr(ft, "GLUON_DKDV", kernel == "dkdv")
+    monkeypatch.setattr(ft, "GLUON_WS", kernel == "ws")
     q, k, v = make_qkv(shape_q, n_k, dtype, noncontig=shape_q[0] == 2 and not causal)
-    assert ft._gluon_dkdv_ok(q.detach(), q.detach(), 64, False) == (shape_q[2] % 2 == 0)
+    ok = ft._gluon_ws_ok if kernel == "ws" else lambda q, do, d: ft._gluon_dkdv_ok(q, do, d, False)
+    assert ok(q.detach(), q.detach(), 64) == (shape_q[2] % 2 == 0)
     check_against_reference(FlashAttentionTriton.apply, q, k, v, causal, TOL[dtype])
     out = FlashAttentionTriton.apply(q, k, v, causal)
     do = torch.randn_like(out)
     gk, gv = torch.autograd.grad(out, (k, v), do)
+    monkeypatch.setattr(ft, "_default_bwd", lambda q, k, do: ft.BWD_TWO_PASS)
     monkeypatch.setattr(ft, "GLUON_DKDV", False)
     rk, rv = torch.autograd.grad(FlashAttentionTriton.apply(q, k, v, causal), (k, v), do)
     for a, b in ((gk, rk), (gv, rv)):
         assert torch.allclose(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_default_backward_is_ws_for_long_rows():
+    """At WS_MIN_ROWS rows the default class runs the warp-specialised backward; its gradients agree with the
+    two-pass backward's (float64 is too large here)."""
+    if not _gluon_usable():
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    torch.manual_seed(13)
+    q, k, v = (torch.randn(1, 2, ft.WS_MIN_ROWS, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    do = torch.randn_like(q)
+    assert ft._default_bwd(q, k, do) == ft.BWD_ATOMIC_DQ
+    o, lse = ft.flash_fwd_impl(q, k, v, True)
+    got = ft.flash_bwd_impl(do, q, k, v, o, lse, True, ft.BWD_ATOMIC_DQ)
+    ref = ft.flash_bwd_impl(do, q, k, v, o, lse, True, ft.BWD_TWO_PASS)
+    for a, b in zip(got, ref):
+        assert torch.isfinite(a).all()
+        assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 1e-2

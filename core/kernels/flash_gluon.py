@@ -1,26 +1,35 @@
-"""The dK/dV pass of the FlashAttention-2 backward for Hopper (sm_90), written in Gluon.
+"""The FlashAttention-2 backward for Hopper (sm_90) in Gluon: a dK/dV pass, and a warp-specialised one-pass
+backward with dQ reduced through the TMA engine.
 
 Gluon is Triton's lower-level dialect: the same compiler and runtime, with layouts, shared memory, TMA copies,
-mbarriers and asynchronous wgmma spelled out. This kernel does what `flash_triton._bwd_dkdv_kernel` does (dK and
-dV of one key tile, walking the query tiles that see it, from the (base-2 logsumexp, delta) pairs of the dQ
-pass) with what Triton 3.6 does not do for that loop (docs/attention.md, runs 9-11):
+mbarriers, asynchronous wgmma and warp specialisation spelled out. Both kernels walk, for a tile of keys, the
+query tiles that see it, from the (base-2 logsumexp, delta) pairs of `flash_triton` (dQ pass or delta kernel),
+with what Triton 3.6 does not do for that loop (docs/attention.md, runs 9-13):
 
-- K and V stay in registers as the wgmma A operands of S^T = K Q^T and dP^T = V dO^T (Triton keeps
-  loop-invariant dot operands in shared memory);
-- the Q and dO tiles and the (lse2, delta) pairs arrive by TMA into a ring of STAGES buffers, one mbarrier each
-  (no per-thread address arithmetic);
+- K and V stay in registers as the wgmma A operands of S^T = K Q^T and dP^T = V dO^T;
+- the Q and dO tiles and the (lse2, delta) pairs arrive by TMA into a ring of shared-memory buffers, one
+  mbarrier each (no per-thread address arithmetic);
 - the wgmmas are asynchronous and waited on where their results are needed: dP^T runs on the tensor cores while
   the exponentials of P^T are computed, and dV / dK of one step overlap the next step's first matmuls.
 
-Measured on an H100 (docs/attention.md, run 12) it computes the same dK, dV bit for bit and takes the same time
-as the Triton kernel (backward 3.49-3.51 against 3.45-3.55 ms at the leaderboard shape): shared-memory traffic
-fell from 70% to 48% of its peak, but one warpgroup's chain S^T -> exp -> dV, dP^T -> dS -> dK with two
-warpgroups per SM is the limit, which producer/consumer warpgroups (`gl.warp_specialize`) would attack next.
-So `flash_triton` runs it only when asked (`flash_triton.GLUON_DKDV = True`).
+`_dkdv_kernel` (one warpgroup per 64 keys) is the dK/dV pass of the two-pass backward. It computes the Triton
+kernel's dK, dV bit for bit in the same time (run 12), so `flash_triton` runs it only when asked
+(`flash_triton.GLUON_DKDV = True`).
+
+`_bwd_ws_kernel` is the whole backward but a small delta kernel: 5 tile matmuls per (key tile, query tile) pair
+instead of the two-pass scheme's 7, each pair's dQ part dS K added into an fp32 buffer by one TMA bulk reduction
+(`cp.reduce.async.bulk.tensor`, fp32 adds in L2). A program holds 128 keys in two warpgroups that run
+independently (`gl.warp_specialize`), each with its own 64 keys and its own chain of waits, so one computes
+exponentials while the other's matmuls run, as in cuDNN's kernel. They meet only where they must: the first
+warpgroup issues the TMA loads, into a ring both release, and hands its dQ part over shared memory to the
+second, which adds its own and issues one reduction per 128 keys. With 64 keys per program (one warpgroup) the
+reductions alone filled L2 (87% of its throughput, run 13) and the kernel was 5% slower than the two-pass
+backward; with 128 keys in one lockstep 8-warp program it was 20% slower. This one is 7-10% faster than the
+two-pass backward at the leaderboard shape, and `flash_triton` uses it by default for long sequences.
 
 Scope: compiled CUDA on sm_90, fp16 / bf16, head dim 64, 16-byte aligned Q / dO rows and an even N_q (each
 head's (lse2, delta) rows must start 16-byte aligned for the TMA); `flash_triton` sends everything else to its
-Triton kernel, which stays the portable version (and the one the CPU interpreter tests).
+Triton kernels, which stay the portable version (and the ones the CPU interpreter tests).
 """
 from __future__ import annotations
 
@@ -28,66 +37,176 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_init
-    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma_wait
     HAVE_GLUON = True
     # Triton 3.6 calls the TMA load async_copy_global_to_shared; 3.9 renamed it async_load (same arguments)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # 3.9 renamed thread_barrier
+    _tma_add = getattr(tma, "async_atomic_add", None)
+    if _tma_add is None:  # Triton 3.6: the builder has the bulk tensor reduction, Gluon does not expose it yet
+        from triton._C.libtriton import ir as _ir
+        from triton.experimental.gluon.language._core import builtin as _builtin
+
+        @_builtin
+        def _tma_add(tensor_desc, coord, src, _semantic=None):
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                      src.handle)
 except ImportError:  # a Triton without Gluon (or without its Hopper ops)
     HAVE_GLUON = False
 
-# tile sizes: 64 keys per program, 64 queries per step, 4 warps (one warpgroup), 3 TMA stages
-BLOCK_M, BLOCK_N, NUM_WARPS, STAGES = 64, 64, 4, 3
 HEAD_DIMS = (64,)
+# 64 queries per step and 64 keys per warpgroup in both kernels
+BLOCK_M, BLOCK_N = 64, 64
+# dK/dV pass: one warpgroup per program, a 3-stage ring
+NUM_WARPS, STAGES = 4, 3
+# one-pass backward: two warpgroups (128 keys) per program; a 4-stage ring loaded 2 steps ahead, so the first
+# warpgroup can run up to a step ahead of the second; both keep 256 registers (the ws region's setmaxnreg)
+WS_KEYS, WS_STAGES, WS_PREFETCH, WS_REGS = 128, 4, 2, 256
 
 if HAVE_GLUON:
     @gluon.jit
+    def _head_descs(Q, DO, STATS, off_z, off_h, stride_qz, stride_qh, stride_qm, stride_doz, stride_doh,
+                    stride_dom, n_q, n_rows_all, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+        """TMA descriptors, built on the device: this head's Q and dO rows (rows past n_q read as zeros), and the
+        (lse2, delta) pairs as int64 over all heads' rows (a head's own base is 16-byte aligned only for even
+        n_q; this head's rows start at pid_zh * n_q)."""
+        tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], Q.dtype.element_ty)
+        q_desc = tma.make_tensor_descriptor(Q + off_z * stride_qz + off_h * stride_qh, shape=[n_q, HEAD_DIM],
+                                            strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM],
+                                            layout=tile_layout)
+        do_desc = tma.make_tensor_descriptor(DO + off_z * stride_doz + off_h * stride_doh, shape=[n_q, HEAD_DIM],
+                                             strides=[stride_dom, 1], block_shape=[BLOCK_M, HEAD_DIM],
+                                             layout=tile_layout)
+        stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=64, rank=1)
+        stats_desc = tma.make_tensor_descriptor(STATS.to(gl.pointer_type(gl.int64), bitcast=True),
+                                                shape=[n_rows_all], strides=[1], block_shape=[BLOCK_M],
+                                                layout=stats_layout)
+        return q_desc, do_desc, stats_desc
+
+    @gluon.jit
+    def _ring(STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, dtype: gl.constexpr):
+        """Shared-memory ring buffers of Q, dO and (lse2, delta) pairs, with one load mbarrier per stage."""
+        tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+        stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=64, rank=1)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], tile_layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], tile_layout)
+        stats_smem = gl.allocate_shared_memory(gl.int64, [STAGES, BLOCK_M], stats_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+        return q_smem, do_smem, stats_smem, ready
+
+    @gluon.jit
+    def _load_step(i, lo, stage, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready, stats_row,
+                   BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+        """TMA loads of step i (query rows lo + i * BLOCK_M ...) into ring buffer `stage`."""
+        tile_bytes: gl.constexpr = 2 * BLOCK_M * HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8 + 8 * BLOCK_M
+        row = lo + i * BLOCK_M
+        mbarrier.expect(ready.index(stage), tile_bytes)
+        _tma_load(q_desc, [row, 0], ready.index(stage), q_smem.index(stage))
+        _tma_load(do_desc, [row, 0], ready.index(stage), do_smem.index(stage))
+        _tma_load(stats_desc, [stats_row + row], ready.index(stage), stats_smem.index(stage))
+
+    @gluon.jit
+    def _load_kv(K, V, off_z, off_h, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
+                 n_k, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr):
+        """K and V rows start_n .. start_n + BLOCK_N (rows past n_k read as zeros)."""
+        blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+        rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blocked))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blocked))
+        kv_mask = gl.expand_dims(rows < n_k, 1)
+        k = gl.load(K + off_z * stride_kz + off_h * stride_kh + gl.expand_dims(rows, 1) * stride_kn
+                    + gl.expand_dims(cols, 0), mask=kv_mask, other=0.0)
+        v = gl.load(V + off_z * stride_vz + off_h * stride_vh + gl.expand_dims(rows, 1) * stride_vn
+                    + gl.expand_dims(cols, 0), mask=kv_mask, other=0.0)
+        return k, v
+
+    @gluon.jit
+    def _store_dkdv(DK, DV, dk, dv, off_z, off_h, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh,
+                    stride_vn, n_k, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, mma_d: gl.constexpr):
+        """dK (scaled) and dV of keys start_n ..., laid out like K and V; rows past n_k are not written."""
+        dtype: gl.constexpr = DK.dtype.element_ty
+        out_rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_d))
+        out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma_d))
+        out_mask = gl.expand_dims(out_rows < n_k, 1)
+        gl.store(DK + off_z * stride_kz + off_h * stride_kh + gl.expand_dims(out_rows, 1) * stride_kn
+                 + gl.expand_dims(out_cols, 0), (dk * sm_scale).to(dtype), mask=out_mask)
+        gl.store(DV + off_z * stride_vz + off_h * stride_vh + gl.expand_dims(out_rows, 1) * stride_vn
+                 + gl.expand_dims(out_cols, 0), dv.to(dtype), mask=out_mask)
+
+    @gluon.jit
+    def _ranges(rng: gl.constexpr, lo, start_n, n_q, causal_off, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr):
+        """Query tiles [lo, m_pad) of keys start_n ..., in three ranges: masked diagonal ones (rng 0), unmasked
+        (1), the ragged end (2) (the ranges of flash_triton._bwd_dkdv_tile: Gluon code cannot call Triton's)."""
+        m_full = (n_q // BLOCK_M) * BLOCK_M
+        m_pad = gl.cdiv(n_q, BLOCK_M) * BLOCK_M
+        if IS_CAUSAL:
+            full_lo = gl.cdiv(gl.maximum(start_n + BLOCK_N - 1 - causal_off, 0), BLOCK_M) * BLOCK_M
+            full_lo = gl.minimum(gl.maximum(full_lo, lo), m_pad)
+        else:
+            full_lo = lo
+        if rng == 0:
+            start, end = lo, full_lo
+        elif rng == 1:
+            start, end = full_lo, m_full
+        else:
+            start, end = gl.maximum(full_lo, m_full), m_pad
+        return start, end
+
+    @gluon.jit
+    def _ds_t(k_op, v_op, q_tile, do_tile, pair_buf, dv, offs_m, offs_n, n_q, causal_off, qk_scale,
+              MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr):
+        """One step for 64 keys: S^T = K Q^T and dP^T = V dO^T issued together, P^T = exp2(S^T - lse2) while dP^T
+        runs, dV += P^T dO issued (left in flight), dS^T = P^T (dP^T - delta) returned in the inputs' dtype. On
+        return at most one wgmma (dV) is in flight: the previous step's dV and dK, and any older, are done."""
+        dtype: gl.constexpr = q_tile.dtype
+        keys: gl.constexpr = k_op.shape[0]
+        queries: gl.constexpr = q_tile.shape[0]
+        zero_s = gl.zeros([keys, queries], gl.float32, layout=mma_s)
+        s_t = warpgroup_mma(k_op, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v_op, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        # the (lse2, delta) pairs of these query rows came with the tiles (int64: split in registers; rows past
+        # n_q hold the next head's pairs or zeros, masked off in S^T). Read once both wgmmas are issued: a
+        # wgmma's issue waits for every register load in flight
+        pair = pair_buf.load(gl.SliceLayout(0, mma_s))
+        lse2 = pair.to(gl.int32).to(gl.float32, bitcast=True)
+        delta = (pair >> 32).to(gl.int32).to(gl.float32, bitcast=True)
+        s_t = warpgroup_mma_wait(1, deps=[s_t])
+        s_t = s_t * qk_scale
+        if MASKED:
+            valid = gl.expand_dims(offs_m, 0) < n_q
+            if IS_CAUSAL:
+                valid = valid & (gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m, 0) + causal_off)
+            s_t = gl.where(valid, s_t, float("-inf"))
+        p_t = gl.exp2(s_t - gl.expand_dims(lse2, 0))
+        p_op = gl.convert_layout(p_t.to(dtype), gl.DotOperandLayout(0, mma_d, 2))
+        dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+        dp_t = warpgroup_mma_wait(1, deps=[dp_t])
+        return (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype), dv
+
+    # ------------------------------------------------------------------ the dK/dV pass (two-pass backward)
+    @gluon.jit
     def _steps(it, lo, start, end, n_steps, dk, dv, k_op, v_op, q_desc, do_desc, stats_desc, q_smem, do_smem,
-               stats_smem, bars, stats_row, offs_n, n_q, causal_off, qk_scale,
-               MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr):
+               stats_smem, ready, stats_row, offs_n, n_q, causal_off, qk_scale,
+               MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+               STAGES: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr):
         """Query tiles start, start + BLOCK_M, ... < end; `it` counts steps from the first (`lo`) for the ring."""
-        dtype: gl.constexpr = q_desc.dtype
-        tile_bytes: gl.constexpr = 2 * BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8 + 8 * BLOCK_M
-        col_layout: gl.constexpr = gl.SliceLayout(0, mma_s)
-        offs_m0 = gl.arange(0, BLOCK_M, layout=col_layout)
-        zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma_s)
+        offs_m0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
         for start_m in range(start, end, BLOCK_M):
-            offs_m = start_m + offs_m0
             stage = it % STAGES
-            mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
-            # the (lse2, delta) pairs of these query rows came with the tiles (int64: split in registers); rows
-            # past n_q hold the next head's pairs or zeros, and are masked off in S^T
-            pair = stats_smem.index(stage).load(col_layout)
-            lse2 = pair.to(gl.int32).to(gl.float32, bitcast=True)
-            delta = (pair >> 32).to(gl.int32).to(gl.float32, bitcast=True)
+            mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
             q_tile = q_smem.index(stage)
-            do_tile = do_smem.index(stage)
-            s_t = warpgroup_mma(k_op, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            dp_t = warpgroup_mma(v_op, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            # <= 1 in flight: S^T is done, and so are the previous step's dV and dK
-            s_t = warpgroup_mma_wait(1, deps=[s_t])
-            s_t = s_t * qk_scale
-            if MASKED:
-                valid = gl.expand_dims(offs_m, 0) < n_q
-                if IS_CAUSAL:
-                    valid = valid & (gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m, 0) + causal_off)
-                s_t = gl.where(valid, s_t, float("-inf"))
-            p_t = gl.exp2(s_t - gl.expand_dims(lse2, 0))
-            p_op = gl.convert_layout(p_t.to(dtype), gl.DotOperandLayout(0, mma_d, 2))
-            dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
-            dp_t = warpgroup_mma_wait(1, deps=[dp_t])
-            ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
-            ds_op = gl.convert_layout(ds_t.to(dtype), gl.DotOperandLayout(0, mma_d, 2))
-            dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
-            # prefetch step it + STAGES - 1 into the ring buffer of step it - 1, whose dV and dK finished at the
-            # first wait above (the copy's lowering synchronizes the warps before it is issued)
+            ds_t, dv = _ds_t(k_op, v_op, q_tile, do_smem.index(stage), stats_smem.index(stage), dv, start_m + offs_m0,
+                             offs_n, n_q, causal_off, qk_scale, MASKED, IS_CAUSAL, mma_s, mma_d)
+            dk = warpgroup_mma(gl.convert_layout(ds_t, gl.DotOperandLayout(0, mma_d, 2)), q_tile, dk, is_async=True)
+            # prefetch step it + STAGES - 1 into the ring buffer of step it - 1, whose dV and dK are done (the
+            # copy's lowering synchronizes the warps before it is issued)
             nxt = it + STAGES - 1
             if nxt < n_steps:
-                nstage = nxt % STAGES
-                mbarrier.expect(bars.index(nstage), tile_bytes)
-                _tma_load(q_desc, [lo + nxt * BLOCK_M, 0], bars.index(nstage), q_smem.index(nstage))
-                _tma_load(do_desc, [lo + nxt * BLOCK_M, 0], bars.index(nstage), do_smem.index(nstage))
-                _tma_load(stats_desc, [stats_row + lo + nxt * BLOCK_M], bars.index(nstage), stats_smem.index(nstage))
+                _load_step(nxt, lo, nxt % STAGES, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready,
+                           stats_row, BLOCK_M, HEAD_DIM)
             it += 1
         return it, dk, dv
 
@@ -99,10 +218,9 @@ if HAVE_GLUON:
                      IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         pid_zh = gl.program_id(0)
-        pid_n = gl.program_id(1)
+        start_n = gl.program_id(1) * BLOCK_N
         off_z = (pid_zh // n_heads).to(gl.int64)
         off_h = (pid_zh % n_heads).to(gl.int64)
-        start_n = pid_n * BLOCK_N
         dtype: gl.constexpr = Q.dtype.element_ty
         gl.static_assert(gl.num_warps() == 4, "one warpgroup")
         # S^T / dP^T tiles are (BLOCK_N, BLOCK_M); dK / dV (BLOCK_N, HEAD_DIM)
@@ -110,61 +228,28 @@ if HAVE_GLUON:
                                                          instr_shape=[16, BLOCK_M, 16])
         mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
-        tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-        blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-
-        # per-head TMA descriptors for Q and dO: rows past n_q read as zeros
-        q_desc = tma.make_tensor_descriptor(Q + off_z * stride_qz + off_h * stride_qh, shape=[n_q, HEAD_DIM],
-                                            strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM],
-                                            layout=tile_layout)
-        do_desc = tma.make_tensor_descriptor(DO + off_z * stride_doz + off_h * stride_doh, shape=[n_q, HEAD_DIM],
-                                             strides=[stride_dom, 1], block_shape=[BLOCK_M, HEAD_DIM],
-                                             layout=tile_layout)
-        # the (lse2, delta) pairs as int64, one descriptor over all heads' rows (a head's own base is 16-byte
-        # aligned only for even n_q): this head's rows start at stats_row
-        stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=64, rank=1)
-        stats_desc = tma.make_tensor_descriptor(STATS.to(gl.pointer_type(gl.int64), bitcast=True),
-                                                shape=[n_rows_all], strides=[1], block_shape=[BLOCK_M],
-                                                layout=stats_layout)
+        q_desc, do_desc, stats_desc = _head_descs(Q, DO, STATS, off_z, off_h, stride_qz, stride_qh, stride_qm,
+                                                  stride_doz, stride_doh, stride_dom, n_q, n_rows_all, HEAD_DIM,
+                                                  BLOCK_M)
         stats_row = pid_zh * n_q
-        # K and V of this tile, once, into the registers of the A operand
-        rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blocked))
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blocked))
-        kv_mask = gl.expand_dims(rows < n_k, 1)
-        k = gl.load(K + off_z * stride_kz + off_h * stride_kh + gl.expand_dims(rows, 1) * stride_kn
-                    + gl.expand_dims(cols, 0), mask=kv_mask, other=0.0)
-        v = gl.load(V + off_z * stride_vz + off_h * stride_vh + gl.expand_dims(rows, 1) * stride_vn
-                    + gl.expand_dims(cols, 0), mask=kv_mask, other=0.0)
-        # (converted before the ring buffers exist: the conversion's scratch shared memory is reused)
+        # K and V of this tile, once, into the registers of the A operand (converted before the ring buffers
+        # exist: the conversion's scratch shared memory is reused)
+        k, v = _load_kv(K, V, off_z, off_h, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh,
+                        stride_vn, n_k, HEAD_DIM, BLOCK_N, 4)
         k_op = gl.convert_layout(k, gl.DotOperandLayout(0, mma_s, 2))
         v_op = gl.convert_layout(v, gl.DotOperandLayout(0, mma_s, 2))
 
-        # query tiles [lo, m_pad): masked diagonal ones [lo, full_lo), unmasked [full_lo, m_full), ragged end (the
-        # ranges of flash_triton._bwd_dkdv_tile: Gluon code cannot call that Triton function)
-        m_full = (n_q // BLOCK_M) * BLOCK_M
         m_pad = gl.cdiv(n_q, BLOCK_M) * BLOCK_M
         if IS_CAUSAL:
-            lo = (gl.maximum(start_n - causal_off, 0) // BLOCK_M) * BLOCK_M
-            full_lo = gl.cdiv(gl.maximum(start_n + BLOCK_N - 1 - causal_off, 0), BLOCK_M) * BLOCK_M
-            full_lo = gl.minimum(full_lo, m_pad)
+            lo = gl.minimum((gl.maximum(start_n - causal_off, 0) // BLOCK_M) * BLOCK_M, m_pad)
         else:
             lo = 0
-            full_lo = 0
         n_steps = (m_pad - lo) // BLOCK_M
-
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], tile_layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], tile_layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        stats_smem = gl.allocate_shared_memory(gl.int64, [STAGES, BLOCK_M], stats_layout)
-        tile_bytes: gl.constexpr = 2 * BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8 + 8 * BLOCK_M
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
+        q_smem, do_smem, stats_smem, ready = _ring(STAGES, BLOCK_M, HEAD_DIM, dtype)
         for i in gl.static_range(STAGES - 1):
             if i < n_steps:
-                mbarrier.expect(bars.index(i), tile_bytes)
-                _tma_load(q_desc, [lo + i * BLOCK_M, 0], bars.index(i), q_smem.index(i))
-                _tma_load(do_desc, [lo + i * BLOCK_M, 0], bars.index(i), do_smem.index(i))
-                _tma_load(stats_desc, [stats_row + lo + i * BLOCK_M], bars.index(i), stats_smem.index(i))
+                _load_step(i, lo, i, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready, stats_row,
+                           BLOCK_M, HEAD_DIM)
 
         offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
         dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=mma_d))
@@ -172,24 +257,165 @@ if HAVE_GLUON:
         # one ring of tiles across the three ranges: `it` numbers the steps from lo
         it = 0
         for rng in gl.static_range(3):
-            if rng == 0:
-                start, end = lo, full_lo
-            elif rng == 1:
-                start, end = full_lo, m_full
-            else:
-                start, end = gl.maximum(full_lo, m_full), m_pad
+            start, end = _ranges(rng, lo, start_n, n_q, causal_off, IS_CAUSAL, BLOCK_M, BLOCK_N)
             it, dk, dv = _steps(it, lo, start, end, n_steps, dk, dv, k_op, v_op, q_desc, do_desc, stats_desc,
-                                q_smem, do_smem, stats_smem, bars, stats_row, offs_n, n_q, causal_off, qk_scale,
-                                rng != 1, IS_CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, mma_s, mma_d)
+                                q_smem, do_smem, stats_smem, ready, stats_row, offs_n, n_q, causal_off, qk_scale,
+                                rng != 1, IS_CAUSAL, BLOCK_M, HEAD_DIM, STAGES, mma_s, mma_d)
         dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
         for i in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(i))
+            mbarrier.invalidate(ready.index(i))
+        _store_dkdv(DK, DV, dk, dv, off_z, off_h, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh,
+                    stride_vn, n_k, sm_scale, HEAD_DIM, BLOCK_N, mma_d)
 
-        dk = dk * sm_scale
-        out_rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_d))
-        out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma_d))
-        out_mask = gl.expand_dims(out_rows < n_k, 1)
-        gl.store(DK + off_z * stride_kz + off_h * stride_kh + gl.expand_dims(out_rows, 1) * stride_kn
-                 + gl.expand_dims(out_cols, 0), dk.to(dtype), mask=out_mask)
-        gl.store(DV + off_z * stride_vz + off_h * stride_vh + gl.expand_dims(out_rows, 1) * stride_vn
-                 + gl.expand_dims(out_cols, 0), dv.to(dtype), mask=out_mask)
+    # ------------------------------------------------------------------ the warp-specialised one-pass backward
+    @gluon.jit
+    def _ws_steps(ROLE: gl.constexpr, it, lo, start, end, n_steps, dk, dv, k_op, v_op, q_desc, do_desc,
+                  stats_desc, dq_desc, q_smem, do_smem, stats_smem, k_buf, ds_buf, dq_smem, ready, empty, dq_ready,
+                  dq_free, stats_row, offs_n, n_q, causal_off, qk_scale, MASKED: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  PREFETCH: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr):
+        """`_steps` for one of the two warpgroups, plus this step's dQ part: ROLE 0 stores it for ROLE 1 (and
+        issues the loads PREFETCH steps ahead), ROLE 1 adds its own and reduces the sum into DQ_ACC."""
+        offs_m0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
+        zero_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=mma_d)
+        for start_m in range(start, end, BLOCK_M):
+            stage = it % STAGES
+            mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+            q_tile = q_smem.index(stage)
+            ds_t, dv = _ds_t(k_op, v_op, q_tile, do_smem.index(stage), stats_smem.index(stage), dv, start_m + offs_m0,
+                             offs_n, n_q, causal_off, qk_scale, MASKED, IS_CAUSAL, mma_s, mma_d)
+            # the previous step's dK, the last reader of its ring buffer in this warpgroup, is done
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=it > 0)
+            # dQ part = dS K, from shared memory (a register A operand holds the rows its warps own: keys here,
+            # not queries), issued before dK so that it is waited on first
+            ds_buf.store(ds_t)
+            fence_async_shared()
+            _barrier()
+            dq = warpgroup_mma(ds_buf.permute((1, 0)), k_buf, zero_q, use_acc=False, is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(ds_t, gl.DotOperandLayout(0, mma_d, 2)), q_tile, dk, is_async=True)
+            dq = warpgroup_mma_wait(1, deps=[dq])
+            slot = it % 2
+            dq_buf = dq_smem.index(slot)
+            if ROLE == 0:
+                mbarrier.wait(dq_free.index(slot), ((it // 2) & 1) ^ 1)  # (a fresh mbarrier passes phase 1)
+                dq_buf.store(dq)
+                fence_async_shared()
+                _barrier()
+                mbarrier.arrive(dq_ready.index(slot), count=1)
+                # refill the ring buffer of step nxt - STAGES, once both warpgroups released it
+                nxt = it + PREFETCH
+                if nxt < n_steps:
+                    nstage = nxt % STAGES
+                    mbarrier.wait(empty.index(nstage), ((nxt // STAGES) & 1) ^ 1)
+                    _load_step(nxt, lo, nstage, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready,
+                               stats_row, BLOCK_M, HEAD_DIM)
+            else:
+                mbarrier.wait(dq_ready.index(slot), (it // 2) & 1)
+                dq = dq + dq_buf.load(mma_d)
+                dq_buf.store(dq)
+                fence_async_shared()
+                _barrier()
+                _tma_add(dq_desc, [start_m, 0], dq_buf)
+                # the previous step's reduction has read its buffer (only issuing threads can wait): hand it back
+                tma.store_wait(1)
+                _barrier()
+                mbarrier.arrive(dq_free.index((it + 1) % 2), count=1, pred=it > 0)
+            it += 1
+        return it, dk, dv
+
+    @gluon.jit
+    def _ws_warpgroup(ROLE: gl.constexpr, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem,
+                      stats_smem, k_smem, ds_smem, dq_smem, ready, empty, dq_ready, dq_free, off_z, off_h, start_cta,
+                      lo, n_steps, stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn, n_q,
+                      n_k, causal_off, qk_scale, sm_scale, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr):
+        """Warpgroup ROLE of a program: keys start_cta + ROLE * BLOCK_N ..., over the program's query steps."""
+        start_n = start_cta + ROLE * BLOCK_N
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+        mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+        k, v = _load_kv(K, V, off_z, off_h, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh,
+                        stride_vn, n_k, HEAD_DIM, BLOCK_N, 4)
+        k_buf = k_smem.index(ROLE)
+        k_buf.store(k)  # the B operand of the dQ parts (fenced before the first one)
+        k_op = gl.convert_layout(k, gl.DotOperandLayout(0, mma_s, 2))
+        v_op = gl.convert_layout(v, gl.DotOperandLayout(0, mma_s, 2))
+        offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
+        dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=mma_d))
+        dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=mma_d))
+        # both warpgroups walk the same steps from the program's lo (the second's first ones fully masked), so
+        # the ring and the dQ hand-over stay in step
+        it = 0
+        for rng in gl.static_range(3):
+            start, end = _ranges(rng, lo, start_n, n_q, causal_off, IS_CAUSAL, BLOCK_M, BLOCK_N)
+            it, dk, dv = _ws_steps(ROLE, it, lo, start, end, n_steps, dk, dv, k_op, v_op, q_desc, do_desc,
+                                   stats_desc, dq_desc, q_smem, do_smem, stats_smem, k_buf, ds_smem.index(ROLE),
+                                   dq_smem, ready, empty, dq_ready, dq_free, stats_row, offs_n, n_q, causal_off,
+                                   qk_scale, rng != 1, IS_CAUSAL, BLOCK_M, HEAD_DIM, STAGES, PREFETCH, mma_s, mma_d)
+        dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
+        if ROLE == 1:
+            tma.store_wait(0)
+        _store_dkdv(DK, DV, dk, dv, off_z, off_h, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh,
+                    stride_vn, n_k, sm_scale, HEAD_DIM, BLOCK_N, mma_d)
+
+    @gluon.jit
+    def _bwd_ws_kernel(Q, K, V, DO, DK, DV, STATS, DQ_ACC,  # DQ_ACC (Z*H, N_q, d) fp32, zeroed; dQ = sm_scale DQ_ACC
+                       stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+                       stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
+                       n_heads, n_q, n_k, n_rows_all, causal_off, qk_scale, sm_scale,
+                       IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr, WS_REGS: gl.constexpr):
+        gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
+        gl.static_assert(PREFETCH < STAGES)
+        pid_zh = gl.program_id(0)
+        start_cta = gl.program_id(1) * (2 * BLOCK_N)
+        off_z = (pid_zh // n_heads).to(gl.int64)
+        off_h = (pid_zh % n_heads).to(gl.int64)
+        dtype: gl.constexpr = Q.dtype.element_ty
+        q_desc, do_desc, stats_desc = _head_descs(Q, DO, STATS, off_z, off_h, stride_qz, stride_qh, stride_qm,
+                                                  stride_doz, stride_doh, stride_dom, n_q, n_rows_all, HEAD_DIM,
+                                                  BLOCK_M)
+        dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
+        dq_desc = tma.make_tensor_descriptor(DQ_ACC + pid_zh.to(gl.int64) * n_q * HEAD_DIM, shape=[n_q, HEAD_DIM],
+                                             strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, HEAD_DIM],
+                                             layout=dq_layout)  # rows past n_q are clipped
+        stats_row = pid_zh * n_q
+        m_pad = gl.cdiv(n_q, BLOCK_M) * BLOCK_M
+        if IS_CAUSAL:
+            lo = gl.minimum((gl.maximum(start_cta - causal_off, 0) // BLOCK_M) * BLOCK_M, m_pad)
+        else:
+            lo = 0
+        n_steps = (m_pad - lo) // BLOCK_M
+        q_smem, do_smem, stats_smem, ready = _ring(STAGES, BLOCK_M, HEAD_DIM, dtype)
+        # per warpgroup: K (the dQ parts' B operand) and dS^T; two dQ hand-over buffers
+        k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype))
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_layout)
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        dq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(empty.index(i), count=2)  # released by both warpgroups
+        for i in gl.static_range(2):
+            mbarrier.init(dq_ready.index(i), count=1)
+            mbarrier.init(dq_free.index(i), count=1)
+        for i in gl.static_range(PREFETCH):
+            if i < n_steps:
+                _load_step(i, lo, i, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready, stats_row,
+                           BLOCK_M, HEAD_DIM)
+        # (the argument tuples are spelled out: a tuple built in Gluon code drops its constexprs)
+        gl.warp_specialize([
+            (_ws_warpgroup, (0, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem,
+                             k_smem, ds_smem, dq_smem, ready, empty, dq_ready, dq_free, off_z, off_h, start_cta, lo,
+                             n_steps, stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
+                             n_q, n_k, causal_off, qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                             PREFETCH)),
+            (_ws_warpgroup, (1, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem,
+                             k_smem, ds_smem, dq_smem, ready, empty, dq_ready, dq_free, off_z, off_h, start_cta, lo,
+                             n_steps, stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
+                             n_q, n_k, causal_off, qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                             PREFETCH)),
+        ], [4], [WS_REGS])

@@ -19,7 +19,10 @@ Kernels (plain pointer arithmetic, so the same source runs on Triton 3.6 and 3.9
   that see it. At d <= 64 both issue dP before the exponentials, which then overlap that matmul.
   `FlashAttentionTritonAtomicDQ`: one dK/dV pass that also adds dS K into an fp32 dQ buffer
   (5 tile matmuls, not 7); on Hopper each dQ tile goes in one bulk tensor reduction (TMA engine),
-  elsewhere per-element atomics. Level with two-pass on an H100 (docs/attention.md, run 8).
+  elsewhere per-element atomics. Level with two-pass on an H100 (docs/attention.md, run 8). On Hopper
+  (fp16/bf16, d = 64) it runs `flash_gluon._bwd_ws_kernel` instead, a warp-specialised Gluon kernel
+  5-10% faster than two-pass at the leaderboard shape (run 13), which the default class also picks from
+  WS_MIN_ROWS query rows on (`_default_bwd`).
   `FlashAttentionTritonFusedBwd`: one fused kernel `_bwd_fused_kernel`, grid (tiles, batch x heads),
   program i doing dK/dV of key tile i AND dQ of query tile i (causal: n - i + i + 1 tile steps each,
   so the critical path is ~n steps in one launch instead of ~2n in two); delta recomputed from O in
@@ -583,11 +586,12 @@ if HAVE_TRITON:
                          IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
 
     @triton.jit
-    def _bwd_delta_kernel(O, DO, LSE, STATS, stride_oz, stride_oh, stride_om, stride_doz, stride_doh,
+    def _bwd_delta_kernel(O, DO, LSE, STATS, DQ_ACC, stride_oz, stride_oh, stride_om, stride_doz, stride_doh,
                           stride_dom, n_heads, n_q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_M: tl.constexpr):
         """STATS[i] = (base-2 logsumexp, delta_i = rowsum(dO_i * O_i)), for the atomic-dQ backward (the two-pass
-        dQ kernel computes both itself)."""
+        dQ kernel computes both itself); also zeroes the rows of the fp32 dQ buffer (Z*H, N_q, d) (no memset
+        launch)."""
         pid_zh = tl.program_id(0)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
@@ -601,6 +605,8 @@ if HAVE_TRITON:
         row = pid_zh.to(tl.int64) * n_q + offs_m
         lse = tl.load(LSE + row, mask=offs_m < n_q, other=0.0)
         _store_stats(STATS, row, _lse_to_base2(lse), delta, offs_m < n_q)
+        _store_rows(DQ_ACC + row[:, None] * HEAD_DIM + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
+                    offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
 
     # --------------------------------------------------------------- autotuning
     def _cfg(bm, bn, warps, stages):
@@ -1032,10 +1038,10 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     # per row, (base-2 logsumexp, delta = rowsum(dO * O)), written by the first launch for the dK/dV pass
     stats = torch.empty((z, h, n_q, 2), device=q.device, dtype=torch.float32)
     if atomic_dq:  # the row stats first; the dK/dV pass then adds dS K into an fp32 buffer
+        dq_acc = torch.empty((z, h, n_q, d), device=q.device, dtype=torch.float32)  # zeroed by the delta kernel
         _run(_bwd_delta_kernel, (z * h, _cdiv(n_q, 64)),
-             (o, do, lse, stats, sq[0], sq[1], sq[2], sdo[0], sdo[1], sdo[2], h, n_q), 4,
+             (o, do, lse, stats, dq_acc, sq[0], sq[1], sq[2], sdo[0], sdo[1], sdo[2], h, n_q), 5,
              HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=64)
-        dq_acc = torch.zeros((z, h, n_q, d), device=q.device, dtype=torch.float32)
     else:  # the dQ pass (it also computes and stores the row stats)
         dq_args = (q, k, v, o, do, dq, lse, stats,
                    sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
@@ -1043,8 +1049,17 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         _launch("dq", _dq_tuned if not INTERPRET else None, _bwd_dq_kernel, z * h, n_q, dq_args,
                 is_causal, d, block_d, seq_class, q.dtype)
         dq_acc = stats  # DQ_ACC is not touched without atomics
+    if atomic_dq and _gluon_ws_ok(q, do, d):
+        # the warp-specialised Gluon kernel adds unscaled dS K tiles
+        _launch_gluon(fg_kernel="ws", q=q, k=k, v=v, do=do, dk=dk, dv=dv, stats=stats, dq_acc=dq_acc, sq=sq,
+                      sk=sk, sv=sv, sdo=sdo, h=h, n_q=n_q, n_k=n_k, causal_off=causal_off, sm_scale=sm_scale,
+                      is_causal=is_causal)
+        torch.mul(dq_acc, sm_scale, out=dq)
+        return dq, dk, dv
     if not atomic_dq and _gluon_dkdv_ok(q, do, d, "dkdv" in _PINNED):
-        _launch_gluon_dkdv(q, k, v, do, dk, dv, stats, sq, sk, sv, sdo, h, n_q, n_k, causal_off, sm_scale, is_causal)
+        _launch_gluon(fg_kernel="dkdv", q=q, k=k, v=v, do=do, dk=dk, dv=dv, stats=stats, dq_acc=None, sq=sq,
+                      sk=sk, sv=sv, sdo=sdo, h=h, n_q=n_q, n_k=n_k, causal_off=causal_off, sm_scale=sm_scale,
+                      is_causal=is_causal)
         return dq, dk, dv
     dkdv_args = (q, k, v, do, dk, dv, stats, dq_acc,
                  sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
@@ -1057,34 +1072,62 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     return dq, dk, dv
 
 
-# The Hopper dK/dV pass in Gluon (`flash_gluon`): K and V as register wgmma operands, TMA loads, asynchronous
-# wgmmas. Opt-in (it measured level with the Triton kernel, run 12): with GLUON_DKDV on, the two-pass backward
-# uses it where it applies (sm_90, fp16 / bf16, d = 64, even N_q, 16-byte aligned Q and dO rows) unless the
-# dK/dV tiles are pinned (pins select the Triton kernel's tiles).
+# The Hopper backward kernels in Gluon (`flash_gluon`), used where they apply: sm_90, fp16 / bf16, d = 64, an even
+# N_q, 16-byte aligned Q and dO rows.
+# - GLUON_WS (on): the atomic-dQ backward runs the warp-specialised one-pass kernel (7-10% faster than the
+#   two-pass backward at the leaderboard shape, run 13), and the default class picks it from WS_MIN_ROWS query
+#   rows on (`_default_bwd`), unless torch.use_deterministic_algorithms is on (fp32 dQ reductions in L2 add in
+#   any order).
+# - GLUON_DKDV (off): the two-pass backward's dK/dV pass in Gluon (level with the Triton kernel, run 12), unless
+#   the dK/dV tiles are pinned (pins select the Triton kernel's tiles).
+GLUON_WS = True
 GLUON_DKDV = False
+WS_MIN_ROWS = 16384
 
 
-def _gluon_dkdv_ok(q: Tensor, do: Tensor, d: int, pinned: bool) -> bool:
-    if not GLUON_DKDV or INTERPRET or pinned or q.dtype == torch.float32:
+def _aligned(t: Tensor) -> bool:
+    try:
+        return t.data_ptr() % 16 == 0
+    except RuntimeError:  # a fake tensor (torch.compile tracing) has no storage: flash_bwd_impl checks again
+        return True
+
+
+def _gluon_ok(q: Tensor, do: Tensor, d: int) -> bool:
+    if INTERPRET or q.dtype == torch.float32 or q.device.type != "cuda":
         return False
     from core.kernels import flash_gluon
     if d not in flash_gluon.HEAD_DIMS:
         return False
     # wgmma is sm_90 only (Blackwell has other tensor-core instructions); TMA: 16-byte aligned bases and row
     # strides, and an even N_q keeps each head's (lse2, delta) rows 16-byte aligned
-    return flash_gluon.HAVE_GLUON and _capability(q.device) == (9, 0) and q.shape[2] % 2 == 0 and q.data_ptr() % 16 == 0 and do.data_ptr() % 16 == 0 \
-        and all(s % 8 == 0 for s in q.stride()[:3] + do.stride()[:3])
+    return flash_gluon.HAVE_GLUON and _capability(q.device) == (9, 0) and q.shape[2] % 2 == 0 \
+        and _aligned(q) and _aligned(do) and all(s % 8 == 0 for s in q.stride()[:3] + do.stride()[:3])
 
 
-def _launch_gluon_dkdv(q, k, v, do, dk, dv, stats, sq, sk, sv, sdo, h, n_q, n_k, causal_off, sm_scale, is_causal):
+def _gluon_ws_ok(q: Tensor, do: Tensor, d: int) -> bool:
+    return GLUON_WS and _gluon_ok(q, do, d)
+
+
+def _gluon_dkdv_ok(q: Tensor, do: Tensor, d: int, pinned: bool) -> bool:
+    return GLUON_DKDV and not pinned and _gluon_ok(q, do, d)
+
+
+def _launch_gluon(fg_kernel, q, k, v, do, dk, dv, stats, dq_acc, sq, sk, sv, sdo, h, n_q, n_k, causal_off,
+                  sm_scale, is_causal) -> None:
     from core.kernels import flash_gluon as fg
-    _ensure_scratch_allocator()  # the kernel builds its TMA descriptors on the device
+    _ensure_scratch_allocator()  # the kernels build their TMA descriptors on the device
     z = q.shape[0]
-    grid = (z * h, _cdiv(n_k, fg.BLOCK_N))
-    fg._dkdv_kernel[grid](q, k, v, do, dk, dv, stats, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
-                          sdo[0], sdo[1], sdo[2], h, n_q, n_k, z * h * n_q, causal_off, sm_scale * LOG2E,
-                          sm_scale, IS_CAUSAL=is_causal, HEAD_DIM=q.shape[3], BLOCK_M=fg.BLOCK_M, BLOCK_N=fg.BLOCK_N,
-                          STAGES=fg.STAGES, num_warps=fg.NUM_WARPS)
+    strides = (sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2])
+    scalars = (h, n_q, n_k, z * h * n_q, causal_off, sm_scale * LOG2E, sm_scale)
+    if fg_kernel == "ws":  # two warpgroups of 64 keys per program
+        fg._bwd_ws_kernel[(z * h, _cdiv(n_k, fg.WS_KEYS))](
+            q, k, v, do, dk, dv, stats, dq_acc, *strides, *scalars, IS_CAUSAL=is_causal, HEAD_DIM=q.shape[3],
+            BLOCK_M=fg.BLOCK_M, BLOCK_N=fg.BLOCK_N, STAGES=fg.WS_STAGES, PREFETCH=fg.WS_PREFETCH,
+            WS_REGS=fg.WS_REGS, num_warps=4)
+    else:
+        fg._dkdv_kernel[(z * h, _cdiv(n_k, fg.BLOCK_N))](
+            q, k, v, do, dk, dv, stats, *strides, *scalars, IS_CAUSAL=is_causal, HEAD_DIM=q.shape[3],
+            BLOCK_M=fg.BLOCK_M, BLOCK_N=fg.BLOCK_N, STAGES=fg.STAGES, num_warps=fg.NUM_WARPS)
 
 
 # ------------------------------------------------------- torch.library registration
@@ -1123,7 +1166,7 @@ def _op_setup_context(ctx, inputs, output):
 
 def _op_backward(ctx, do, dlse):
     q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, ctx.is_causal, _default_bwd(q, k))
+    dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, ctx.is_causal, _default_bwd(q, k, do))
     return dq, dk, dv, None
 
 
@@ -1142,7 +1185,8 @@ class FlashAttentionTriton(torch.autograd.Function):
 
     q (..., N_q, d), k and v (..., N_k, d), same leading dims; fp32 (tf32 dots), fp16, bf16;
     d in 16, 32, 64, 96, 128. Saves q, k, v, out and one logsumexp (..., N_q) for backward.
-    Backward: the fused one-launch kernel on small grids, two passes on large ones (`_use_fused`); no atomics.
+    Backward (`_default_bwd`): the fused one-launch kernel on small grids, the warp-specialised Gluon kernel
+    (atomic fp32 dQ) for long rows on Hopper, else two passes (no atomics).
     `FlashAttentionTritonAtomicDQ`: one pass, atomic fp32 dQ; `FlashAttentionTritonFusedBwd`: one
     fused launch (dK/dV of key tile i and dQ of query tile i per program).
     """
@@ -1191,20 +1235,28 @@ class FlashAttentionTritonFusedBwd(FlashAttentionTriton):
         return _backward(ctx, do, BWD_FUSED)
 
 
-def _default_bwd(q4: Tensor, k4: Tensor) -> int:
-    """The default class's backward variant for these 4-D operands (see `_use_fused`)."""
+def _default_bwd(q4: Tensor, k4: Tensor, do4: Tensor) -> int:
+    """The default class's backward variant for these 4-D operands: the fused kernel on small grids
+    (`_use_fused`), the warp-specialised Gluon kernel on Hopper from WS_MIN_ROWS query rows (measured on the
+    H100, run 13, d = 64 causal: 0.96-0.99x the two-pass backward's time at 32768-65536 rows with B = H = 1,
+    0.90-0.93x at the leaderboard's (16, 16384); level at 8192 rows, 1.1-1.4x slower at 2048-4096, where the
+    per-program set-up, the delta kernel and the dQ cast weigh more), else two passes."""
     z, h, n_q, d = q4.shape
-    return BWD_FUSED if _use_fused(z * h, n_q, k4.shape[2], d, q4.dtype) else BWD_TWO_PASS
+    if _use_fused(z * h, n_q, k4.shape[2], d, q4.dtype):
+        return BWD_FUSED
+    if n_q >= WS_MIN_ROWS and not torch.are_deterministic_algorithms_enabled() and _gluon_ws_ok(q4, do4, d):
+        return BWD_ATOMIC_DQ
+    return BWD_TWO_PASS
 
 
 def _backward(ctx, do: Tensor, variant: int | None):
     q4, k4, v4, o4, lse4 = ctx.saved_tensors
     qs, ks, vs = ctx.shapes
-    if variant is None:
-        variant = _default_bwd(q4, k4)
     if do.dtype != q4.dtype:
         do = do.to(q4.dtype)
     do4 = _to_4d(do)
+    if variant is None:
+        variant = _default_bwd(q4, k4, do4)
     if _compiling():
         dq, dk, dv = torch.ops.scalelab.flash_attn_bwd(do4, q4, k4, v4, o4, lse4, ctx.is_causal, variant)
     else:
