@@ -1239,7 +1239,7 @@ def _default_bwd(q4: Tensor, k4: Tensor, do4: Tensor) -> int:
     """The default class's backward variant for these 4-D operands: the fused kernel on small grids
     (`_use_fused`), the warp-specialised Gluon kernel on Hopper from WS_MIN_ROWS query rows (measured on the
     H100, run 13, d = 64 causal: 0.96-0.99x the two-pass backward's time at 32768-65536 rows with B = H = 1,
-    0.90-0.93x at the leaderboard's (16, 16384); level at 8192 rows, 1.1-1.4x slower at 2048-4096, where the
+    0.91-1.01x at the leaderboard's (16, 16384); level at 8192 rows, 1.1-1.4x slower at 2048-4096, where the
     per-program set-up, the delta kernel and the dQ cast weigh more), else two passes."""
     z, h, n_q, d = q4.shape
     if _use_fused(z * h, n_q, k4.shape[2], d, q4.dtype):
