@@ -62,7 +62,8 @@ BLOCK_M, BLOCK_N = 64, 64
 NUM_WARPS, STAGES = 4, 3
 # one-pass backward: two warpgroups (128 keys) per program; a 4-stage ring loaded 2 steps ahead, so the first
 # warpgroup can run up to a step ahead of the second; both keep 256 registers (the ws region's setmaxnreg)
-WS_KEYS, WS_STAGES, WS_PREFETCH, WS_REGS = 128, 4, 2, 256
+WS_KEYS = 2 * BLOCK_N
+WS_STAGES, WS_PREFETCH, WS_REGS = 4, 2, 256
 
 if HAVE_GLUON:
     @gluon.jit
@@ -134,6 +135,16 @@ if HAVE_GLUON:
                  + gl.expand_dims(out_cols, 0), (dk * sm_scale).to(dtype), mask=out_mask)
         gl.store(DV + off_z * stride_vz + off_h * stride_vh + gl.expand_dims(out_rows, 1) * stride_vn
                  + gl.expand_dims(out_cols, 0), dv.to(dtype), mask=out_mask)
+
+    @gluon.jit
+    def _query_steps(start_n, n_q, causal_off, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+        """The first query tile (lo) that sees keys start_n ... and the number of query tiles from it to the end."""
+        m_pad = gl.cdiv(n_q, BLOCK_M) * BLOCK_M
+        if IS_CAUSAL:
+            lo = gl.minimum((gl.maximum(start_n - causal_off, 0) // BLOCK_M) * BLOCK_M, m_pad)
+        else:
+            lo = 0
+        return lo, (m_pad - lo) // BLOCK_M
 
     @gluon.jit
     def _ranges(rng: gl.constexpr, lo, start_n, n_q, causal_off, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -239,12 +250,7 @@ if HAVE_GLUON:
         k_op = gl.convert_layout(k, gl.DotOperandLayout(0, mma_s, 2))
         v_op = gl.convert_layout(v, gl.DotOperandLayout(0, mma_s, 2))
 
-        m_pad = gl.cdiv(n_q, BLOCK_M) * BLOCK_M
-        if IS_CAUSAL:
-            lo = gl.minimum((gl.maximum(start_n - causal_off, 0) // BLOCK_M) * BLOCK_M, m_pad)
-        else:
-            lo = 0
-        n_steps = (m_pad - lo) // BLOCK_M
+        lo, n_steps = _query_steps(start_n, n_q, causal_off, IS_CAUSAL, BLOCK_M)
         q_smem, do_smem, stats_smem, ready = _ring(STAGES, BLOCK_M, HEAD_DIM, dtype)
         for i in gl.static_range(STAGES - 1):
             if i < n_steps:
@@ -381,12 +387,7 @@ if HAVE_GLUON:
                                              strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, HEAD_DIM],
                                              layout=dq_layout)  # rows past n_q are clipped
         stats_row = pid_zh * n_q
-        m_pad = gl.cdiv(n_q, BLOCK_M) * BLOCK_M
-        if IS_CAUSAL:
-            lo = gl.minimum((gl.maximum(start_cta - causal_off, 0) // BLOCK_M) * BLOCK_M, m_pad)
-        else:
-            lo = 0
-        n_steps = (m_pad - lo) // BLOCK_M
+        lo, n_steps = _query_steps(start_cta, n_q, causal_off, IS_CAUSAL, BLOCK_M)
         q_smem, do_smem, stats_smem, ready = _ring(STAGES, BLOCK_M, HEAD_DIM, dtype)
         # per warpgroup: K (the dQ parts' B operand) and dS^T; two dQ hand-over buffers
         k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM],
