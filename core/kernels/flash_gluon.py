@@ -17,15 +17,17 @@ kernel's dK, dV bit for bit in the same time (run 12), so `flash_triton` runs it
 (`flash_triton.GLUON_DKDV = True`).
 
 `_bwd_ws_kernel` is the whole backward but a small delta kernel: 5 tile matmuls per (key tile, query tile) pair
-instead of the two-pass scheme's 7, each pair's dQ part dS K added into an fp32 buffer by one TMA bulk reduction
+instead of the two-pass scheme's 7, each step's dQ = dS K added into an fp32 buffer by one TMA bulk reduction
 (`cp.reduce.async.bulk.tensor`, fp32 adds in L2). A program holds 128 keys in two warpgroups that run
 independently (`gl.warp_specialize`), each with its own 64 keys and its own chain of waits, so one computes
 exponentials while the other's matmuls run, as in cuDNN's kernel. They meet only where they must: the first
-warpgroup issues the TMA loads, into a ring both release, and hands its dQ part over shared memory to the
-second, which adds its own and issues one reduction per 128 keys. With 64 keys per program (one warpgroup) the
-reductions alone filled L2 (87% of its throughput, run 13) and the kernel was 5% slower than the two-pass
-backward; with 128 keys in one lockstep 8-warp program it was 20% slower. This one is 7-10% faster than the
-two-pass backward at the leaderboard shape, and `flash_triton` uses it by default for long sequences.
+warpgroup issues the TMA loads, into a ring both release, and hands its dS^T over shared memory to the second,
+which computes dQ over all 128 keys in one wgmma and issues one reduction per step. Measured at the leaderboard
+shape (runs 13-14): with 64 keys per program (one warpgroup) the reductions alone filled L2 (87% of its
+throughput) and the kernel was 5% slower than the two-pass backward; 128 keys in one lockstep 8-warp program, 20%
+slower; two warpgroups each computing a dQ part over its own 64 keys, summed by the second, 7-10% faster; this
+one, 3-6% faster again (2.84 ms against cuDNN's 2.92 under the profiler). `flash_triton` uses it by default for
+long sequences.
 
 Scope: compiled CUDA on sm_90, fp16 / bf16, head dim 64, 16-byte aligned Q / dO rows and an even N_q (each
 head's (lse2, delta) rows must start 16-byte aligned for the TMA); `flash_triton` sends everything else to its
@@ -60,10 +62,11 @@ HEAD_DIMS = (64,)
 BLOCK_M, BLOCK_N = 64, 64
 # dK/dV pass: one warpgroup per program, a 3-stage ring
 NUM_WARPS, STAGES = 4, 3
-# one-pass backward: two warpgroups (128 keys) per program; a 4-stage ring loaded 2 steps ahead, so the first
-# warpgroup can run up to a step ahead of the second; both keep 256 registers (the ws region's setmaxnreg)
+# one-pass backward: two warpgroups (128 keys) per program; a 6-stage ring loaded 3 steps ahead, so the first
+# warpgroup (the lighter one: the second computes dQ) can run ahead of the second; both keep 256 registers (the ws
+# region's setmaxnreg)
 WS_KEYS = 2 * BLOCK_N
-WS_STAGES, WS_PREFETCH, WS_REGS = 4, 2, 256
+WS_STAGES, WS_PREFETCH, WS_REGS = 6, 3, 256
 
 if HAVE_GLUON:
     @gluon.jit
@@ -276,14 +279,16 @@ if HAVE_GLUON:
     # ------------------------------------------------------------------ the warp-specialised one-pass backward
     @gluon.jit
     def _ws_steps(ROLE: gl.constexpr, it, lo, start, end, n_steps, dk, dv, k_op, v_op, q_desc, do_desc,
-                  stats_desc, dq_desc, q_smem, do_smem, stats_smem, k_buf, ds_buf, dq_smem, ready, empty, dq_ready,
-                  dq_free, stats_row, offs_n, n_q, causal_off, qk_scale, MASKED: gl.constexpr,
+                  stats_desc, dq_desc, q_smem, do_smem, stats_smem, k_smem, ds_smem, dq_smem, ready, empty, ds_ready,
+                  ds_free, stats_row, offs_n, n_q, causal_off, qk_scale, MASKED: gl.constexpr,
                   IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   PREFETCH: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr):
-        """`_steps` for one of the two warpgroups, plus this step's dQ part: ROLE 0 stores it for ROLE 1 (and
-        issues the loads PREFETCH steps ahead), ROLE 1 adds its own and reduces the sum into DQ_ACC."""
+        """`_steps` for one of the two warpgroups. Both store their dS^T into the step's shared buffer (two, by
+        step parity); ROLE 1 then computes the step's dQ = dS K over all 128 keys in one wgmma and reduces it into
+        DQ_ACC, and ROLE 0 issues the TMA loads PREFETCH steps ahead."""
         offs_m0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
         zero_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=mma_d)
+        keys: gl.constexpr = k_op.shape[0]
         for start_m in range(start, end, BLOCK_M):
             stage = it % STAGES
             mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
@@ -292,22 +297,21 @@ if HAVE_GLUON:
                              offs_n, n_q, causal_off, qk_scale, MASKED, IS_CAUSAL, mma_s, mma_d)
             # the previous step's dK, the last reader of its ring buffer in this warpgroup, is done
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=it > 0)
-            # dQ part = dS K, from shared memory (a register A operand holds the rows its warps own: keys here,
-            # not queries), issued before dK so that it is waited on first
-            ds_buf.store(ds_t)
+            slot = it % 2
+            if ROLE == 0:  # ROLE 1's dQ two steps ago has read this buffer (a fresh mbarrier passes phase 1)
+                mbarrier.wait(ds_free.index(slot), ((it // 2) & 1) ^ 1)
+            else:  # this warpgroup's reduction two steps ago has read its dQ buffer (the barrier below spreads it)
+                tma.store_wait(1)
+            ds_smem.index(slot).slice(ROLE * keys, keys).store(ds_t)
             fence_async_shared()
             _barrier()
-            dq = warpgroup_mma(ds_buf.permute((1, 0)), k_buf, zero_q, use_acc=False, is_async=True)
-            dk = warpgroup_mma(gl.convert_layout(ds_t, gl.DotOperandLayout(0, mma_d, 2)), q_tile, dk, is_async=True)
-            dq = warpgroup_mma_wait(1, deps=[dq])
-            slot = it % 2
-            dq_buf = dq_smem.index(slot)
+            dk_op = gl.convert_layout(ds_t, gl.DotOperandLayout(0, mma_d, 2))
             if ROLE == 0:
-                mbarrier.wait(dq_free.index(slot), ((it // 2) & 1) ^ 1)  # (a fresh mbarrier passes phase 1)
-                dq_buf.store(dq)
-                fence_async_shared()
-                _barrier()
-                mbarrier.arrive(dq_ready.index(slot), count=1)
+                mbarrier.arrive(ds_ready.index(slot), count=1)
+                dk = warpgroup_mma(dk_op, q_tile, dk, is_async=True)
+                # dV done: only dK in flight into the next step (four accumulators in flight do not fit: ptxas
+                # would serialize every wgmma)
+                dv = warpgroup_mma_init(warpgroup_mma_wait(1, deps=[dv]))
                 # refill the ring buffer of step nxt - STAGES, once both warpgroups released it
                 nxt = it + PREFETCH
                 if nxt < n_steps:
@@ -316,22 +320,25 @@ if HAVE_GLUON:
                     _load_step(nxt, lo, nstage, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready,
                                stats_row, BLOCK_M, HEAD_DIM)
             else:
-                mbarrier.wait(dq_ready.index(slot), (it // 2) & 1)
-                dq = dq + dq_buf.load(mma_d)
+                # dQ of the 64 queries over both warpgroups' 128 keys, from shared memory (a register A operand
+                # holds the rows its warps own: keys here, not queries), issued before dK to be waited on first
+                mbarrier.wait(ds_ready.index(slot), (it // 2) & 1)
+                dq = warpgroup_mma(ds_smem.index(slot).permute((1, 0)), k_smem, zero_q, use_acc=False,
+                                   is_async=True)
+                dk = warpgroup_mma(dk_op, q_tile, dk, is_async=True)
+                dq = warpgroup_mma_wait(1, deps=[dq])
+                mbarrier.arrive(ds_free.index(slot), count=1)
+                dq_buf = dq_smem.index(slot)
                 dq_buf.store(dq)
                 fence_async_shared()
                 _barrier()
                 _tma_add(dq_desc, [start_m, 0], dq_buf)
-                # the previous step's reduction has read its buffer (only issuing threads can wait): hand it back
-                tma.store_wait(1)
-                _barrier()
-                mbarrier.arrive(dq_free.index((it + 1) % 2), count=1, pred=it > 0)
             it += 1
         return it, dk, dv
 
     @gluon.jit
     def _ws_warpgroup(ROLE: gl.constexpr, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem,
-                      stats_smem, k_smem, ds_smem, dq_smem, ready, empty, dq_ready, dq_free, off_z, off_h, start_cta,
+                      stats_smem, k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h, start_cta,
                       lo, n_steps, stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn, n_q,
                       n_k, causal_off, qk_scale, sm_scale, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr):
@@ -343,22 +350,21 @@ if HAVE_GLUON:
                                                          instr_shape=[16, HEAD_DIM, 16])
         k, v = _load_kv(K, V, off_z, off_h, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh,
                         stride_vn, n_k, HEAD_DIM, BLOCK_N, 4)
-        k_buf = k_smem.index(ROLE)
-        k_buf.store(k)  # the B operand of the dQ parts (fenced before the first one)
+        k_smem.slice(ROLE * BLOCK_N, BLOCK_N).store(k)  # dQ's B operand (fenced before the first dQ)
         k_op = gl.convert_layout(k, gl.DotOperandLayout(0, mma_s, 2))
         v_op = gl.convert_layout(v, gl.DotOperandLayout(0, mma_s, 2))
         offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
         dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=mma_d))
         dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=mma_d))
         # both warpgroups walk the same steps from the program's lo (the second's first ones fully masked), so
-        # the ring and the dQ hand-over stay in step
+        # the ring and the dS hand-over stay in step
         it = 0
         for rng in gl.static_range(3):
             start, end = _ranges(rng, lo, start_n, n_q, causal_off, IS_CAUSAL, BLOCK_M, BLOCK_N)
             it, dk, dv = _ws_steps(ROLE, it, lo, start, end, n_steps, dk, dv, k_op, v_op, q_desc, do_desc,
-                                   stats_desc, dq_desc, q_smem, do_smem, stats_smem, k_buf, ds_smem.index(ROLE),
-                                   dq_smem, ready, empty, dq_ready, dq_free, stats_row, offs_n, n_q, causal_off,
-                                   qk_scale, rng != 1, IS_CAUSAL, BLOCK_M, HEAD_DIM, STAGES, PREFETCH, mma_s, mma_d)
+                                   stats_desc, dq_desc, q_smem, do_smem, stats_smem, k_smem, ds_smem, dq_smem,
+                                   ready, empty, ds_ready, ds_free, stats_row, offs_n, n_q, causal_off, qk_scale,
+                                   rng != 1, IS_CAUSAL, BLOCK_M, HEAD_DIM, STAGES, PREFETCH, mma_s, mma_d)
         dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
         if ROLE == 1:
             tma.store_wait(0)
@@ -389,20 +395,20 @@ if HAVE_GLUON:
         stats_row = pid_zh * n_q
         lo, n_steps = _query_steps(start_cta, n_q, causal_off, IS_CAUSAL, BLOCK_M)
         q_smem, do_smem, stats_smem, ready = _ring(STAGES, BLOCK_M, HEAD_DIM, dtype)
-        # per warpgroup: K (the dQ parts' B operand) and dS^T; two dQ hand-over buffers
-        k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype))
-        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
-                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+        # K of both warpgroups (dQ's B operand); dS^T of both and the dQ tile, two of each (by step parity)
+        k_smem = gl.allocate_shared_memory(dtype, [2 * BLOCK_N, HEAD_DIM],
+                                           gl.NVMMASharedLayout.get_default_for([2 * BLOCK_N, HEAD_DIM], dtype))
+        ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * BLOCK_N, BLOCK_M],
+                                            gl.NVMMASharedLayout.get_default_for([2 * BLOCK_N, BLOCK_M], dtype))
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_layout)
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        dq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(empty.index(i), count=2)  # released by both warpgroups
         for i in gl.static_range(2):
-            mbarrier.init(dq_ready.index(i), count=1)
-            mbarrier.init(dq_free.index(i), count=1)
+            mbarrier.init(ds_ready.index(i), count=1)
+            mbarrier.init(ds_free.index(i), count=1)
         for i in gl.static_range(PREFETCH):
             if i < n_steps:
                 _load_step(i, lo, i, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready, stats_row,
@@ -410,12 +416,12 @@ if HAVE_GLUON:
         # (the argument tuples are spelled out: a tuple built in Gluon code drops its constexprs)
         gl.warp_specialize([
             (_ws_warpgroup, (0, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem,
-                             k_smem, ds_smem, dq_smem, ready, empty, dq_ready, dq_free, off_z, off_h, start_cta, lo,
+                             k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h, start_cta, lo,
                              n_steps, stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                              n_q, n_k, causal_off, qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
                              PREFETCH)),
             (_ws_warpgroup, (1, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem,
-                             k_smem, ds_smem, dq_smem, ready, empty, dq_ready, dq_free, off_z, off_h, start_cta, lo,
+                             k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h, start_cta, lo,
                              n_steps, stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                              n_q, n_k, causal_off, qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
                              PREFETCH)),

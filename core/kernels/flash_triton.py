@@ -21,8 +21,8 @@ Kernels (plain pointer arithmetic, so the same source runs on Triton 3.6 and 3.9
   (5 tile matmuls, not 7); on Hopper each dQ tile goes in one bulk tensor reduction (TMA engine),
   elsewhere per-element atomics. Level with two-pass on an H100 (docs/attention.md, run 8). On Hopper
   (fp16/bf16, d = 64) it runs `flash_gluon._bwd_ws_kernel` instead, a warp-specialised Gluon kernel
-  5-10% faster than two-pass at the leaderboard shape (run 13), which the default class also picks from
-  WS_MIN_ROWS query rows on (`_default_bwd`).
+  about 10% faster than two-pass at the leaderboard shape and 3% faster than cuDNN's kernel (run 14), which
+  the default class also picks from WS_MIN_ROWS query rows on (`_default_bwd`).
   `FlashAttentionTritonFusedBwd`: one fused kernel `_bwd_fused_kernel`, grid (tiles, batch x heads),
   program i doing dK/dV of key tile i AND dQ of query tile i (causal: n - i + i + 1 tile steps each,
   so the critical path is ~n steps in one launch instead of ~2n in two); delta recomputed from O in
@@ -1074,15 +1074,15 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
 
 # The Hopper backward kernels in Gluon (`flash_gluon`), used where they apply: sm_90, fp16 / bf16, d = 64, an even
 # N_q, 16-byte aligned Q and dO rows.
-# - GLUON_WS (on): the atomic-dQ backward runs the warp-specialised one-pass kernel (7-10% faster than the
-#   two-pass backward at the leaderboard shape, run 13), and the default class picks it from WS_MIN_ROWS query
+# - GLUON_WS (on): the atomic-dQ backward runs the warp-specialised one-pass kernel (about 10% faster than the
+#   two-pass backward at the leaderboard shape, run 14), and the default class picks it from WS_MIN_ROWS query
 #   rows on (`_default_bwd`), unless torch.use_deterministic_algorithms is on (fp32 dQ reductions in L2 add in
 #   any order).
 # - GLUON_DKDV (off): the two-pass backward's dK/dV pass in Gluon (level with the Triton kernel, run 12), unless
 #   the dK/dV tiles are pinned (pins select the Triton kernel's tiles).
 GLUON_WS = True
 GLUON_DKDV = False
-WS_MIN_ROWS = 16384
+WS_MIN_ROWS = 8192
 
 
 def _aligned(t: Tensor) -> bool:
@@ -1238,9 +1238,9 @@ class FlashAttentionTritonFusedBwd(FlashAttentionTriton):
 def _default_bwd(q4: Tensor, k4: Tensor, do4: Tensor) -> int:
     """The default class's backward variant for these 4-D operands: the fused kernel on small grids
     (`_use_fused`), the warp-specialised Gluon kernel on Hopper from WS_MIN_ROWS query rows (measured on the
-    H100, run 13, d = 64 causal: 0.96-0.99x the two-pass backward's time at 32768-65536 rows with B = H = 1,
-    0.91-1.01x at the leaderboard's (16, 16384); level at 8192 rows, 1.1-1.4x slower at 2048-4096, where the
-    per-program set-up, the delta kernel and the dQ cast weigh more), else two passes."""
+    H100, run 14, d = 64 causal, time against the two-pass backward: 0.85x at 32768-65536 rows with B = H = 1,
+    0.92-1.01x at 8192 rows (batch x heads 4-16), 1.08x at (16, 4096) and 1.6-2.1x at 1024-2048 rows, where
+    the per-program set-up, the delta kernel and the dQ cast weigh more), else two passes."""
     z, h, n_q, d = q4.shape
     if _use_fused(z * h, n_q, k4.shape[2], d, q4.dtype):
         return BWD_FUSED
