@@ -166,13 +166,16 @@ def test_split_kv_forward(split_keys, n_q, n_k, causal, dtype, monkeypatch):
 
 
 def test_split_kv_policy(monkeypatch):
-    """Split only where the one-kernel grid leaves SMs idle and rows are long: about 2 programs per SM."""
+    """Split only where the one-kernel grid leaves SMs idle and rows are long: about 2 programs per SM, at most
+    MAX_FWD_SPLITS splits."""
     monkeypatch.setattr(ft, "INTERPRET", False)
     monkeypatch.setattr(ft, "FWD_SPLIT_KEYS", None)
     monkeypatch.setattr(ft, "_sm_count", lambda device: 132)
     dev = torch.device("cuda", 0)
-    assert ft._fwd_split_len(dev, 1, 4096, 4096, 64, 64) == 13 * 64    # 64 programs -> 5 splits of 13 tiles
-    assert ft._fwd_split_len(dev, 1, 2048, 2048, 64, 64) == 4 * 64     # 32 programs -> 8 splits of 4 tiles
+    assert ft.MAX_FWD_SPLITS == 4
+    assert ft._fwd_split_len(dev, 1, 4096, 4096, 64, 64) == 16 * 64    # 64 programs -> 4 splits (not 5) of 16 tiles
+    assert ft._fwd_split_len(dev, 1, 2048, 2048, 64, 64) == 8 * 64     # 32 programs -> 4 splits (not 8) of 8 tiles
+    assert ft._fwd_split_len(dev, 1, 8192, 8192, 64, 64) == 43 * 64    # 128 programs -> 3 splits of 43 tiles
     assert ft._fwd_split_len(dev, 1, 1024, 1024, 64, 64) == 0          # 16 key tiles: one kernel
     assert ft._fwd_split_len(dev, 16, 16384, 16384, 64, 64) == 0       # the leaderboard grid fills the GPU
     assert ft._fwd_split_len(dev, 1, 16384, 16384, 64, 64) == 0        # 256 programs >= 132 SMs

@@ -890,6 +890,8 @@ FWD_SPLIT = True
 FWD_SPLIT_KEYS: int | None = None
 # the autotuner's pick for the one-kernel forward at S <= 4096, B = H = 1 (H100, runs 7-10)
 _SPLIT_TILES = (64, 64, 4, 3)
+# more splits cost more in the merge (fp32 partial rows) than they gain in parallelism (run 14)
+MAX_FWD_SPLITS = 4
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -905,10 +907,12 @@ def _fwd_split_len(device: torch.device, zh: int, n_q: int, n_k: int, bm: int, b
     """Keys per split for the split-KV forward (a multiple of bn), or 0 for the one-kernel forward.
 
     Splits only when the one-kernel grid (batch x heads x query tiles) has fewer programs than the GPU has
-    SMs and rows span at least 32 key tiles; then about two programs per SM, each with 4 key tiles or more.
-    On an H100 at B = H = 1 (run 10, CUDA-graph timings) the split forward took 0.017 / 0.023 ms at S = 2048 /
-    4096 against 0.023 / 0.040 ms in one kernel, but at S = 1024 only 0.014 against 0.016 ms: not worth the
-    second launch's host time there."""
+    SMs and rows span at least 32 key tiles; then about two programs per SM, each with 4 key tiles or more,
+    in at most MAX_FWD_SPLITS splits. On an H100 at B = H = 1 (run 10, CUDA-graph timings) the split forward
+    took 0.017 / 0.023 ms at S = 2048 / 4096 against 0.023 / 0.040 ms in one kernel, but at S = 1024 only
+    0.014 against 0.016 ms: not worth the second launch's host time there. Run 14: at S = 2048, 4 splits
+    (one wave of 128 programs) took 15.8 / 20.5 µs at d = 64 / 128 against 8 splits' 16.8 / 24.4 (SDPA-flash:
+    16.7 / 21.7); at S = 4096, 4 splits 23.0 / 31.0 against 5 splits' 22.6 / 30.0."""
     if FWD_SPLIT_KEYS is not None:
         return _cdiv(FWD_SPLIT_KEYS, bn) * bn
     if not FWD_SPLIT or INTERPRET:
@@ -917,7 +921,7 @@ def _fwd_split_len(device: torch.device, zh: int, n_q: int, n_k: int, bm: int, b
     sms = _sm_count(device)
     if programs >= sms or k_tiles < 32:
         return 0
-    splits = min(k_tiles // 4, _cdiv(2 * sms, programs))
+    splits = min(k_tiles // 4, _cdiv(2 * sms, programs), MAX_FWD_SPLITS)
     return _cdiv(k_tiles, splits) * bn if splits >= 2 else 0
 
 
