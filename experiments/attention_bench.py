@@ -29,6 +29,8 @@ or ``flash_triton_fused@fused=64x64x4x3`` for the fused backward kernel. ``flash
 two-pass backward's dK/dV pass with the Gluon kernel for Hopper (core/kernels/flash_gluon.py) where it applies;
 ``flash_triton@ws=0`` turns off the warp-specialised Gluon backward (the default for long rows on Hopper, and
 the atomic-dQ variant's kernel there), so the two-pass or Triton atomic backward runs instead.
+``flash_triton@native=0`` keeps eager calls on the Python autograd Function instead of the C++ autograd node
+(core/kernels/flash_native.py).
 """
 from __future__ import annotations
 
@@ -103,13 +105,14 @@ def make_impl(name: str):
         # @ws=0: no warp-specialised Gluon backward
         gluon = bool(pins.pop("gluon", (0,))[0])
         ws = bool(pins.pop("ws", (1,))[0])
+        native = bool(pins.pop("native", (1,))[0])  # @native=0: the Python autograd Function, not the C++ node
         pinned = {n: tuple(c) for n, c in pins.items()}
         apply = getattr(ft, TRITON_CLASSES[base]).apply
 
         def fa(q, k, v):
             if ft._PINNED != pinned:  # variants share the process: re-pin only when it changed
                 ft.pin_configs(**pins)
-            ft.GLUON_DKDV, ft.GLUON_WS = gluon, ws
+            ft.GLUON_DKDV, ft.GLUON_WS, ft.NATIVE_NODE = gluon, ws, native
             return apply(q, k, v, True)
         return fa
     raise ValueError(f"unknown impl {name!r}: use one of {', '.join(ALL_IMPLS)} (flash_triton@..., "

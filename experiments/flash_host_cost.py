@@ -3,8 +3,9 @@ keeps up with the host, so the time per call is what the host spends enqueueing 
 
     python3 experiments/flash_host_cost.py [--seq 256] [--dim 64] [--calls 400] [--out FILE]
 
-Rows: SDPA's flash backend, an empty `torch.autograd.Function` (the floor of any Python autograd op) and
-`flash_triton`. At short sequences (B = H = 1) `triton.testing.do_bench` reads this host time, not the
+Rows: SDPA's flash backend, an empty `torch.autograd.Function` (the floor of any Python autograd op),
+`flash_triton` (eager CUDA calls go through its C++ autograd node, core/kernels/flash_native.py) and
+`flash_triton` with that node switched off (the Python autograd.Function). At short sequences (B = H = 1) `triton.testing.do_bench` reads this host time, not the
 kernels' (docs/attention.md). The device VM's host time drifts by tens of percent within a minute, so the
 rows are measured round-robin and each keeps its best round.
 """
@@ -114,9 +115,20 @@ def main() -> None:
     def ours_fwd_bwd():
         torch.autograd.grad(ft.FlashAttentionTriton.apply(q, k, v, True), (q, k, v), g)
 
+    def python_function(fn):  # the same call with the C++ autograd node switched off
+        def run():
+            ft.NATIVE_NODE = False
+            try:
+                fn()
+            finally:
+                ft.NATIVE_NODE = True
+        return run
+
     rows = [("sdpa_flash", "fwd", sdpa_fwd), ("sdpa_flash", "fwd+bwd", sdpa_fwd_bwd),
             ("empty autograd.Function", "fwd+bwd", empty_fwd_bwd),
-            ("flash_triton", "fwd", ours_fwd), ("flash_triton", "fwd+bwd", ours_fwd_bwd)]
+            ("flash_triton", "fwd", ours_fwd), ("flash_triton", "fwd+bwd", ours_fwd_bwd),
+            ("flash_triton, Python autograd.Function", "fwd", python_function(ours_fwd)),
+            ("flash_triton, Python autograd.Function", "fwd+bwd", python_function(ours_fwd_bwd))]
     if args.parts:
         def ours_jit_launches():  # the same, every launch through JITFunction.run (no direct launches)
             ft.FAST_LAUNCH = False

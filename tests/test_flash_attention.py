@@ -176,7 +176,9 @@ def test_split_kv_policy(monkeypatch):
     assert ft._fwd_split_len(dev, 1, 4096, 4096, 64, 64) == 16 * 64    # 64 programs -> 4 splits (not 5) of 16 tiles
     assert ft._fwd_split_len(dev, 1, 2048, 2048, 64, 64) == 8 * 64     # 32 programs -> 4 splits (not 8) of 8 tiles
     assert ft._fwd_split_len(dev, 1, 8192, 8192, 64, 64) == 43 * 64    # 128 programs -> 3 splits of 43 tiles
-    assert ft._fwd_split_len(dev, 1, 1024, 1024, 64, 64) == 0          # 16 key tiles: one kernel
+    assert ft._fwd_split_len(dev, 1, 1024, 1024, 64, 64) == 4 * 64     # 16 programs -> 4 splits of 4 tiles
+    assert ft._fwd_split_len(dev, 4, 1024, 1024, 64, 64) == 0          # 64 programs: rows of 16 tiles stay whole
+    assert ft._fwd_split_len(dev, 1, 960, 960, 64, 64) == 0            # 15 key tiles: one kernel
     assert ft._fwd_split_len(dev, 16, 16384, 16384, 64, 64) == 0       # the leaderboard grid fills the GPU
     assert ft._fwd_split_len(dev, 1, 16384, 16384, 64, 64) == 0        # 256 programs >= 132 SMs
     monkeypatch.setattr(ft, "FWD_SPLIT", False)
@@ -197,6 +199,7 @@ def test_bwd_variant_policy_and_launches(monkeypatch):
     backward = 2 launches."""
     launched = []
     real_launch = ft._launch
+    monkeypatch.setattr(ft, "NATIVE_NODE", False)  # the Python path's launches (the C++ node replays them unseen)
 
     def spy(name, *args, **kwargs):
         launched.append(name)
@@ -270,12 +273,17 @@ def test_torch_logsumexp_matches():
 @pytest.mark.parametrize("fn_cls", [pytest.param(FlashAttentionTorch, id="flash_torch"),
                                     pytest.param(FlashAttentionTriton, id="flash_triton", marks=needs_triton)])
 def test_saves_one_logsumexp(fn_cls):
+    """q, k, v, the output and one (..., N_q) fp32 logsumexp: what autograd packs for backward (the hooks see the
+    C++ autograd node's saved tensors as well as a Python Function's)."""
     q, k, v = make_qkv((1, 2, 20, 16), 20, torch.float32)
-    out = fn_cls.apply(q, k, v, True)
-    saved = out.grad_fn.saved_tensors
-    assert len(saved) == 5
-    lse = saved[4]
-    assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32
+    for _ in range(2):  # on a GPU the second call goes through flash_triton's C++ autograd node
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+            out = fn_cls.apply(q, k, v, True)
+        assert len(packed) == 5
+        lse = packed[4]
+        assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32
+        assert packed[3].data_ptr() == out.data_ptr()
 
 
 @pytest.mark.parametrize("fn", IMPLS)

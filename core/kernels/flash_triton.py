@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import threading
 
 import torch
 from torch import Tensor
@@ -61,6 +63,16 @@ LN2 = 0.6931471805599453
 
 # debug: fill outputs with NaN before the kernels run, so an unwritten element shows up
 POISON_OUTPUTS = os.environ.get("SCALELAB_FLASH_POISON", "0") == "1"
+# eager CUDA calls of FlashAttentionTriton go through the C++ autograd node of flash_native where it has a plan
+NATIVE_NODE = os.environ.get("SCALELAB_FLASH_NATIVE", "1") == "1"
+
+
+class _RecorderSlot(threading.local):
+    """flash_native's recorder of the launches this thread makes, while it records a plan."""
+    current = None
+
+
+_RECORDER = _RecorderSlot()
 
 
 if HAVE_TRITON:
@@ -698,6 +710,9 @@ def pin_configs(fwd=None, dq=None, dkdv=None, fused=None) -> None:
     for name, c in (("fwd", fwd), ("dq", dq), ("dkdv", dkdv), ("fused", fused)):
         if c is not None:
             _PINNED[name] = tuple(c)
+    native = sys.modules.get("core.kernels.flash_native")
+    if native is not None:  # the C++ node's plans hold the tiles they were recorded with
+        native.forget_plans()
 
 
 def _seq_class(n: int, zh: int = 1 << 30) -> int:
@@ -748,6 +763,8 @@ def _launch(name: str, tuned, raw, zh: int, n_rows: int, args: tuple,
         key = (name, seq_class, is_causal, d, dtype)
         cfg = _CHOSEN.get(key)
         if cfg is None:
+            if _RECORDER.current is not None:
+                _RECORDER.current.unreplayable("autotuning", retry=True)
             def grid(meta):
                 return _grid(kind, zh, n_rows, n_k, meta["BLOCK_M"], meta["BLOCK_N"])
             tuned[grid](*args, IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d, **constexprs)
@@ -786,7 +803,10 @@ else:
 def _run(raw, grid: tuple, args: tuple, n_tensors: int, **meta) -> None:
     """`raw[grid](*args, **meta)`; the first n_tensors arguments are tensors, the rest Python scalars."""
     global FAST_LAUNCH
+    recorder = _RECORDER.current
     if not FAST_LAUNCH or INTERPRET:
+        if recorder is not None:
+            recorder.unreplayable("launched through JITFunction.run")
         raw.run(*args, grid=grid, warmup=False, **meta)
         return
     # every pointer's dtype and alignment (the split-KV merge takes fp32 partials and writes O in the inputs'
@@ -800,10 +820,15 @@ def _run(raw, grid: tuple, args: tuple, n_tensors: int, **meta) -> None:
         if len(_LAUNCHERS) >= _MAX_LAUNCHERS:
             _LAUNCHERS.clear()
         # the launcher takes every kernel parameter, constexprs included (after the runtime ones here)
-        _LAUNCHERS[key] = (kernel, tuple(meta[name] for name in raw.arg_names[len(args):]))
+        constexprs = tuple(meta[name] for name in raw.arg_names[len(args):])
+        _LAUNCHERS[key] = (kernel, constexprs)
+        if recorder is not None:
+            recorder.launch(kernel, grid, args + constexprs)
         return
     kernel, constexprs = hit
     full = args + constexprs
+    if recorder is not None:
+        recorder.launch(kernel, grid, full)
     stream = _current_stream(device)
     try:
         enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
@@ -811,6 +836,8 @@ def _run(raw, grid: tuple, args: tuple, n_tensors: int, **meta) -> None:
                    kernel.packed_metadata, kernel.launch_metadata(grid, stream, *full), enter, leave, *full)
     except (TypeError, AttributeError):  # another Triton's launcher or knobs: back to JITFunction.run for good
         FAST_LAUNCH = False
+        if recorder is not None:
+            recorder.unreplayable("launched through JITFunction.run")
         raw.run(*args, grid=grid, warmup=False, **meta)
 
 
@@ -910,7 +937,11 @@ def _fwd_split_len(device: torch.device, zh: int, n_q: int, n_k: int, bm: int, b
     SMs and rows span at least 32 key tiles; then about two programs per SM, each with 4 key tiles or more,
     in at most MAX_FWD_SPLITS splits. On an H100 at B = H = 1 (run 10, CUDA-graph timings) the split forward
     took 0.017 / 0.023 ms at S = 2048 / 4096 against 0.023 / 0.040 ms in one kernel, but at S = 1024 only
-    0.014 against 0.016 ms: not worth the second launch's host time there. Run 14: at S = 2048, 4 splits
+    0.014 against 0.016 ms: not worth the second launch's host time there, until the C++ autograd node
+    (flash_native) made a launch cost about 2 µs of host time. Run 15, S = 1024, 4 splits of 256 keys:
+    12.0 / 13.3 / 17.8 µs at d = 32 / 64 / 128 against 12.8 / 15.2 / 18.5 in one kernel (SDPA-flash: 13.2 /
+    14.2 / 14.9); so rows of 16+ key tiles split where the grid has at most a quarter as many programs as
+    the GPU has SMs (B x H <= 2 at S = 1024 on an H100). Run 14: at S = 2048, 4 splits
     (one wave of 128 programs) took 15.8 / 20.5 µs at d = 64 / 128 against 8 splits' 16.8 / 24.4 (SDPA-flash:
     16.7 / 21.7); at S = 4096, 4 splits 23.0 / 31.0 against 5 splits' 22.6 / 30.0."""
     if FWD_SPLIT_KEYS is not None:
@@ -919,7 +950,8 @@ def _fwd_split_len(device: torch.device, zh: int, n_q: int, n_k: int, bm: int, b
         return 0
     programs, k_tiles = zh * _cdiv(n_q, bm), _cdiv(n_k, bn)
     sms = _sm_count(device)
-    if programs >= sms or k_tiles < 32:
+    # rows of 16-31 key tiles split only on the tiniest grids, where it was measured (B = H = 1, S = 1024)
+    if programs >= sms or k_tiles < (16 if 4 * programs <= sms else 32):
         return 0
     splits = min(k_tiles // 4, _cdiv(2 * sms, programs), MAX_FWD_SPLITS)
     return _cdiv(k_tiles, splits) * bn if splits >= 2 else 0
@@ -1119,6 +1151,8 @@ def _gluon_dkdv_ok(q: Tensor, do: Tensor, d: int, pinned: bool) -> bool:
 def _launch_gluon(fg_kernel, q, k, v, do, dk, dv, stats, dq_acc, sq, sk, sv, sdo, h, n_q, n_k, causal_off,
                   sm_scale, is_causal) -> None:
     from core.kernels import flash_gluon as fg
+    if _RECORDER.current is not None:
+        _RECORDER.current.unreplayable("Gluon kernel")
     _ensure_scratch_allocator()  # the kernels build their TMA descriptors on the device
     z = q.shape[0]
     strides = (sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2])
@@ -1184,6 +1218,17 @@ def _compiling() -> bool:
         return False
 
 
+_NATIVE = None
+
+
+def _flash_native():
+    global _NATIVE
+    if _NATIVE is None:
+        from core.kernels import flash_native
+        _NATIVE = flash_native
+    return _NATIVE
+
+
 class FlashAttentionTriton(torch.autograd.Function):
     """FlashAttention-2 in Triton: ``FlashAttentionTriton.apply(q, k, v, is_causal=False)``.
 
@@ -1194,6 +1239,17 @@ class FlashAttentionTriton(torch.autograd.Function):
     `FlashAttentionTritonAtomicDQ`: one pass, atomic fp32 dQ; `FlashAttentionTritonFusedBwd`: one
     fused launch (dK/dV of key tile i and dQ of query tile i per program).
     """
+
+    @classmethod
+    def apply(cls, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> Tensor:
+        # eager CUDA calls of this class go through flash_native's C++ autograd node where it has a plan for
+        # the input signature (the host-bound short sequences); everything else through this Python Function
+        if cls is FlashAttentionTriton and NATIVE_NODE and q.__class__ is Tensor and k.__class__ is Tensor \
+                and v.__class__ is Tensor and q.is_cuda and not _compiling():
+            out = _flash_native().attention(q, k, v, bool(is_causal))
+            if out is not None:
+                return out
+        return super().apply(q, k, v, is_causal)
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> Tensor:
