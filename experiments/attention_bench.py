@@ -265,8 +265,22 @@ def fmt_ms(r: dict, mode: str) -> str:
     return f"{r[mode]:.3f}" if mode in r else "-"
 
 
-def run_table(configs, impls, warmup, rep, ceilings, out_lines, label, graph: bool = False):
-    """configs: list of (b, h, s, d, dtype). Returns results[(cfg, impl)] = dict."""
+def _median_result(runs: list[dict]) -> dict:
+    """Per mode, the median over rounds (a failed round fails the cell)."""
+    for r in runs:
+        if "oom" in r or "error" in r:
+            return r
+    out = dict(runs[0])
+    for mode in runs[0]:
+        vals = sorted(r[mode] for r in runs if mode in r)
+        out[mode] = vals[len(vals) // 2]
+    return out
+
+
+def run_table(configs, impls, warmup, rep, ceilings, out_lines, label, graph: bool = False, rounds: int = 1):
+    """configs: list of (b, h, s, d, dtype). Returns results[(cfg, impl)] = dict. With rounds > 1 every
+    implementation of a row is measured once per round, the implementations in turn, and each time is the
+    median over the rounds (the host's speed drifts by tens of percent between seconds on the device VM)."""
     results = {}
     hdr = ("| dtype | B,H | S | D | impl | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s (% ceil) "
            "| fwd+bwd TFLOP/s (% ceil) | peak extra MiB |" + (" fwd graph ms | fwd+bwd graph ms |" if graph else ""))
@@ -274,14 +288,16 @@ def run_table(configs, impls, warmup, rep, ceilings, out_lines, label, graph: bo
     print("\n".join(out_lines[-3:]), flush=True)
     for (b, h, s, d, dtype) in configs:
         ceil = ceilings[dtype]
-        for impl in impls:
-            base = impl.partition("@")[0]
-            if base == "flash_torch" and s > FLASH_TORCH_MAX_SEQ:
-                continue
-            if base.startswith("sdpa") and dtype == torch.float32:
-                r = {"error": "backend has no fp32"}
-            else:
-                r = bench_one(impl, make_impl(impl), b, h, s, d, dtype, warmup, rep, graph)
+        row_impls = [i for i in impls if not (i.partition("@")[0] == "flash_torch" and s > FLASH_TORCH_MAX_SEQ)]
+        runs: dict[str, list] = {impl: [] for impl in row_impls}
+        for _ in range(rounds):
+            for impl in row_impls:
+                if impl.partition("@")[0].startswith("sdpa") and dtype == torch.float32:
+                    runs[impl].append({"error": "backend has no fp32"})
+                else:
+                    runs[impl].append(bench_one(impl, make_impl(impl), b, h, s, d, dtype, warmup, rep, graph))
+        for impl in row_impls:
+            r = _median_result(runs[impl])
             results[(b, h, s, d, dtype, impl)] = r
 
             def tf(mode):
@@ -308,8 +324,9 @@ def ratio_summary(results, impls, out_lines, graph: bool = False):
     ours = [i for i in impls if i.startswith("flash_triton")]
     if not ours:
         return
-    modes = ("fwd", "fwd_bwd", "fwd_graph", "fwd_bwd_graph") if graph else ("fwd", "fwd_bwd")
-    names = {"fwd": "fwd", "fwd_bwd": "fwd+bwd", "fwd_graph": "fwd graph", "fwd_bwd_graph": "fwd+bwd graph"}
+    modes = ("fwd", "bwd", "fwd_bwd", "fwd_graph", "fwd_bwd_graph") if graph else ("fwd", "bwd", "fwd_bwd")
+    names = {"fwd": "fwd", "bwd": "bwd", "fwd_bwd": "fwd+bwd", "fwd_graph": "fwd graph",
+             "fwd_bwd_graph": "fwd+bwd graph"}
     cols = [f"{names[m]} / {o}" for o in ("flash", "cuDNN") for m in modes]
     start = len(out_lines)
     out_lines += ["\n### ratios (time of flash_triton / time of the SDPA backend; < 1 means faster)\n",
@@ -344,6 +361,8 @@ def main(argv=None) -> int:
                     "in --impls) against float64 on the GPU")
     ap.add_argument("--graph", action="store_true", help="also time fwd and fwd+bwd as CUDA-graph replays: the "
                     "kernels' GPU time without the host's launch path, which dominates B = H = 1 rows at S <= 4096")
+    ap.add_argument("--rounds", type=int, default=1, help="measure every row this many times, the implementations "
+                    "in turn, and report medians over the rounds")
     ap.add_argument("--out", default=None, help="also write the markdown here")
     args = ap.parse_args(argv)
 
@@ -390,7 +409,8 @@ def main(argv=None) -> int:
             + ", ".join(f"{str(t)[6:]} {c:.0f} TFLOP/s" for t, c in ceilings.items())
             + f"; do_bench warmup={warmup} ms rep={rep} ms, median"]
     print(out[-1], flush=True)
-    results = run_table(configs, impls, warmup, rep, ceilings, out, f"{args.preset}: causal, times in ms", args.graph)
+    label = f"{args.preset}: causal, times in ms" + (f", medians of {args.rounds} rounds" if args.rounds > 1 else "")
+    results = run_table(configs, impls, warmup, rep, ceilings, out, label, args.graph, args.rounds)
     ratio_summary(results, impls, out, args.graph)
     if args.preset == "leaderboard" and "flash_triton" in impls:
         out += ["\n### flash_triton kernels alone (no autograd), leaderboard shape\n"]

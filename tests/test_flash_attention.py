@@ -359,6 +359,14 @@ def test_errors(fn, bad, match):
         fn(q, k, v, True)
 
 
+def test_bench_round_medians():
+    """--rounds: each mode's median over the rounds; a failed round marks the cell."""
+    import experiments.attention_bench as bench
+    runs = [{"fwd": 3.0, "bwd": 1.0}, {"fwd": 1.0, "bwd": 9.0}, {"fwd": 2.0, "bwd": 2.0}]
+    assert bench._median_result(runs) == {"fwd": 2.0, "bwd": 2.0}
+    assert bench._median_result(runs + [{"oom": True}]) == {"oom": True}
+
+
 @needs_triton
 def test_bench_impls_on_cpu(monkeypatch):
     """experiments/attention_bench.py builds every flash_triton impl (pins included) without a GPU;
