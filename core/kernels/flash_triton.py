@@ -34,6 +34,9 @@ Causal with N_q != N_k is bottom-right aligned: query i sees keys j <= i + N_k -
 Rows that see no key give output 0 and logsumexp -inf.
 Inside `torch.compile` the work goes through the opaque custom ops
 ``scalelab::flash_attn_fwd`` / ``scalelab::flash_attn_bwd`` (one node each, no graph break).
+Eager CUDA calls of `FlashAttentionTriton` go through `flash_native`'s C++ autograd node, which replays the
+allocations and launches this module's Python path made for the same input signature (at short sequences host
+time, not the kernels, bounds a call); `NATIVE_NODE = False` or SCALELAB_FLASH_NATIVE=0 keeps the Python Function.
 """
 from __future__ import annotations
 
