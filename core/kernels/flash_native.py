@@ -61,11 +61,16 @@ class NotReplayable(Exception):
     """The Python path did something a plan cannot replay."""
 
 
+_platform_ok: bool | None = None  # CUDA and a tested Triton: looked up once (it sits on the call path)
+
+
 def available() -> bool:
     """Whether the node can be used in this process (CUDA, a tested Triton, switched on)."""
-    if not (ft.NATIVE_NODE and ft.HAVE_TRITON) or ft.INTERPRET or not torch.cuda.is_available():
-        return False
-    return any(ft.triton.__version__.startswith(v) for v in TESTED_TRITON)
+    global _platform_ok
+    if _platform_ok is None:
+        _platform_ok = ft.HAVE_TRITON and not ft.INTERPRET and torch.cuda.is_available() \
+            and any(ft.triton.__version__.startswith(v) for v in TESTED_TRITON)
+    return ft.NATIVE_NODE and _platform_ok
 
 
 def extension():
