@@ -30,7 +30,8 @@ two-pass backward's dK/dV pass with the Gluon kernel for Hopper (core/kernels/fl
 ``flash_triton@ws=0`` turns off the warp-specialised Gluon backward (the default for long rows on Hopper, and
 the atomic-dQ variant's kernel there), so the two-pass or Triton atomic backward runs instead.
 ``flash_triton@native=0`` keeps eager calls on the Python autograd Function instead of the C++ autograd node
-(core/kernels/flash_native.py).
+(core/kernels/flash_native.py). ``flash_triton@merge=0`` runs the split-KV forward (small grids) in two launches,
+the split kernel and then the merge kernel, instead of one launch whose last split merges.
 """
 from __future__ import annotations
 
@@ -106,13 +107,15 @@ def make_impl(name: str):
         gluon = bool(pins.pop("gluon", (0,))[0])
         ws = bool(pins.pop("ws", (1,))[0])
         native = bool(pins.pop("native", (1,))[0])  # @native=0: the Python autograd Function, not the C++ node
+        # @merge=0: the split-KV forward in two launches (split kernel, then merge kernel), the baseline
+        merge = bool(pins.pop("merge", (1,))[0])
         pinned = {n: tuple(c) for n, c in pins.items()}
         apply = getattr(ft, TRITON_CLASSES[base]).apply
 
         def fa(q, k, v):
             if ft._PINNED != pinned:  # variants share the process: re-pin only when it changed
                 ft.pin_configs(**pins)
-            ft.GLUON_DKDV, ft.GLUON_WS, ft.NATIVE_NODE = gluon, ws, native
+            ft.GLUON_DKDV, ft.GLUON_WS, ft.NATIVE_NODE, ft.FWD_MERGE_IN_KERNEL = gluon, ws, native, merge
             return apply(q, k, v, True)
         return fa
     raise ValueError(f"unknown impl {name!r}: use one of {', '.join(ALL_IMPLS)} (flash_triton@..., "

@@ -165,6 +165,27 @@ def test_split_kv_forward(split_keys, n_q, n_k, causal, dtype, monkeypatch):
     check_against_reference(FlashAttentionTriton.apply, q, k, v, causal, TOL[dtype])
 
 
+@needs_triton
+@pytest.mark.parametrize("one_loop", [True, False], ids=["one_loop", "two_loops"])
+def test_split_kv_merge_in_kernel_matches_two_launches(one_loop, monkeypatch):
+    """The one-launch split-KV forward (the split that arrives last merges, in split order) gives the two-launch
+    forward's output and logsumexp bit for bit, whether each split walks its keys in one masked loop or in an
+    unmasked and a masked one, and leaves its arrival counts at 0 for the next launch (run twice)."""
+    monkeypatch.setattr(ft, "FWD_SPLIT_KEYS", 48)
+    monkeypatch.setattr(ft, "SHORT_ROW_TILES", 1 << 30 if one_loop else 0)
+    torch.manual_seed(12)
+    q, k, v = make_qkv((2, 2, 150, 32), 150, torch.bfloat16)
+    q, k, v = (x.detach() for x in (q, k, v))
+    results = {}
+    for merge_in_kernel in (False, True, True):
+        monkeypatch.setattr(ft, "FWD_MERGE_IN_KERNEL", merge_in_kernel)
+        results.setdefault(merge_in_kernel, []).append(flash_attention_with_lse(q, k, v, True))
+    (two_out, two_lse), = results[False]
+    for out, lse in results[True]:
+        assert torch.equal(out, two_out) and torch.equal(lse, two_lse)
+    assert not ft._ARRIVALS.get(q.device, 1).any()
+
+
 def test_split_kv_policy(monkeypatch):
     """Split only where the one-kernel grid leaves SMs idle and rows are long: about 2 programs per SM, at most
     MAX_FWD_SPLITS splits."""

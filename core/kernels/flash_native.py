@@ -97,7 +97,8 @@ def extension():
 def _knob_state() -> tuple:
     """What in flash_triton decides a call's launches, besides the signature: its knobs, pinned tiles and policy
     functions (tests and benchmarks replace them). Plans are dropped when any of it changes."""
-    return (ft.FWD_SPLIT, ft.FWD_SPLIT_KEYS, ft.MAX_FWD_SPLITS, ft.GLUON_WS, ft.GLUON_DKDV, ft.WS_MIN_ROWS,
+    return (ft.FWD_SPLIT, ft.FWD_SPLIT_KEYS, ft.MAX_FWD_SPLITS, ft.FWD_MERGE_IN_KERNEL, ft.SHORT_ROW_TILES,
+            ft._SPLIT_TILES, ft._SHORT_SPLIT_TILES, ft.GLUON_WS, ft.GLUON_DKDV, ft.WS_MIN_ROWS,
             ft.FAST_LAUNCH, ft.POISON_OUTPUTS, ft._PINNED, ft._MAX_GRID_Y, ft._default_bwd, ft._use_fused,
             ft._fwd_split_len, ft._launch, ft._run, ft._sm_count, ft._capability, ft._gluon_ws_ok)
 
@@ -180,6 +181,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.inputs = inputs
         self.allocs: list[Tensor] = []
+        self.counts: list[tuple[Tensor, int]] = []  # flash_triton's per-stream arrival counts, and how many
         self.launches: list[tuple] = []
         self.problem: str | None = None
         self.retry = False  # the run autotuned: the next one may be replayable
@@ -196,6 +198,10 @@ class _Recorder(TorchDispatchMode):
 
     def launch(self, kernel, grid: tuple, args: tuple) -> None:
         self.launches.append((kernel, tuple(grid), args))
+
+    def arrival_counts(self, counts: Tensor, n: int) -> None:
+        """`counts` (n used) is the stream's arrival-count buffer: a replay takes its own stream's."""
+        self.counts.append((counts, n))
 
     def unreplayable(self, why: str, retry: bool = False) -> None:
         if self.problem is None:
@@ -217,6 +223,9 @@ class _Recorder(TorchDispatchMode):
         for i, a in enumerate(self.allocs):
             if self._geometry(a) == sig:
                 return len(self.inputs) + i
+        for i, (counts, _) in enumerate(self.counts):
+            if t is counts:
+                return len(self.inputs) + len(self.allocs) + i
         raise NotReplayable("a launch argument is neither an input nor an allocation")
 
     def spec(self, outputs: tuple) -> tuple:
@@ -224,7 +233,9 @@ class _Recorder(TorchDispatchMode):
             raise NotReplayable(self.problem)
         if not self.launches:
             raise NotReplayable("no launch recorded")
-        allocs = [(list(a.shape), list(a.stride()), a.dtype) for a in self.allocs]
+        # (sizes, strides, dtype, arrival counts): the counts slots come after the allocations
+        allocs = [(list(a.shape), list(a.stride()), a.dtype, 0) for a in self.allocs] + \
+            [([n], [1], torch.int32, n) for _, n in self.counts]
         launches = [self._launch_spec(*launch) for launch in self.launches]
         out_slots = [self._slot(t) for t in outputs]
         if any(s < len(self.inputs) for s in out_slots):

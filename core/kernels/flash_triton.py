@@ -10,9 +10,11 @@ Kernels (plain pointer arithmetic, so the same source runs on Triton 3.6 and 3.9
   need no mask run in a loop without masks, the diagonal (and ragged-end) tiles in a
   second loop with masks. Heavy causal tiles (late queries) are launched first. The running
   max is kept in scaled units, so the softmax scale folds into the exponent's FMA.
-- forward on small grids (batch x heads x query tiles < SMs, rows of 32+ key tiles): split-KV,
-  `_fwd_split_kernel` (one program per query tile and key split, partial output + base-2
-  logsumexp in fp32) then `_fwd_merge_kernel`, so the critical path is one split, not a row.
+- forward on small grids (batch x heads x query tiles < SMs, long rows): split-KV,
+  `_fwd_split_merge_kernel` (one program per query tile and key split, partial output + base-2
+  logsumexp in fp32; the split of a query tile that finishes last merges them), so the critical
+  path is one split, not a row, in one launch. `_fwd_split_kernel` + `_fwd_merge_kernel` do the
+  same in two launches (FWD_MERGE_IN_KERNEL = False: the baseline).
 - backward, two passes (no atomics): `_bwd_dq_kernel` computes delta = rowsum(dO * O)
   for its query tile, stores it with the base-2 logsumexp, and accumulates dQ over key tiles;
   `_bwd_dkdv_kernel` then holds one key tile and accumulates dK and dV over the query tiles
@@ -47,6 +49,7 @@ import threading
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from core.errors import ConfigError
 from core.kernels._flash_common import autocast_dtype, check_inputs
@@ -172,7 +175,7 @@ if HAVE_TRITON:
                   stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                   n_heads, n_q, n_k, causal_off, qk_scale,
                   IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_LOOP: tl.constexpr = False):
         """Online softmax of the BLOCK_M query rows from start_m over the keys in [key_lo, key_hi) that they
         see (key_lo a multiple of BLOCK_N): (acc, m, l), unnormalised, base 2. Causal: key tiles above the
         diagonal are never visited; tiles wholly below it run without masks, the diagonal tiles and the
@@ -200,6 +203,11 @@ if HAVE_TRITON:
             full_hi = n_full
             hi = n_k
         hi = tl.minimum(hi, key_hi)
+        if ONE_LOOP:
+            acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
+                                       offs_m, offs_n0, offs_d, key_lo, hi, n_k, causal_off,
+                                       qk_scale, True, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D)
+            return acc, m_i, l_i
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
                                    offs_m, offs_n0, offs_d, key_lo, tl.minimum(full_hi, hi), n_k, causal_off,
                                    qk_scale, False, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D)
@@ -264,6 +272,15 @@ if HAVE_TRITON:
         tl.store(LP + row, m_i + tl.math.log2(l_i), mask=offs_m < n_q)
 
     @triton.jit
+    def _merge_step(acc, m_i, l_i, o_s, lse_s):
+        """Fold one split's normalised partial output o_s and base-2 logsumexp lse_s into (acc, m, l)."""
+        m_new = tl.maximum(m_i, lse_s)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        w = tl.math.exp2(lse_s - m_use)
+        return acc * alpha[:, None] + o_s * w[:, None], m_new, l_i * alpha + w
+
+    @triton.jit
     def _fwd_merge_kernel(OP, LP, O, LSE, stride_oz, stride_oh, stride_om, n_heads, n_q, n_splits,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
         """out = sum_s 2^(lse_s - lse) out_s, lse = log2 sum_s 2^lse_s (stored as a natural log), over the splits
@@ -278,13 +295,7 @@ if HAVE_TRITON:
             row = (pid_zh.to(tl.int64) * n_splits + split) * n_q + offs_m
             lse_s = tl.load(LP + row, mask=offs_m < n_q, other=float("-inf"))
             o_s = tl.load(OP + row[:, None] * BLOCK_D + offs_d[None, :], mask=offs_m[:, None] < n_q, other=0.0)
-            m_new = tl.maximum(m_i, lse_s)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_use)
-            w = tl.math.exp2(lse_s - m_use)
-            acc = acc * alpha[:, None] + o_s * w[:, None]
-            l_i = l_i * alpha + w
-            m_i = m_new
+            acc, m_i, l_i = _merge_step(acc, m_i, l_i, o_s, lse_s)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         off_z = (pid_zh // n_heads).to(tl.int64)
         off_h = (pid_zh % n_heads).to(tl.int64)
@@ -292,6 +303,74 @@ if HAVE_TRITON:
                     (acc / l_safe[:, None]).to(O.dtype.element_ty), offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
         tl.store(LSE + pid_zh.to(tl.int64) * n_q + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453,
                  mask=offs_m < n_q)
+
+    # Split-KV forward in one launch: every split of a query tile writes its partial output and base-2
+    # logsumexp, then counts itself in (one arrival count per query tile); the split that arrives last merges
+    # all partials in split order (the same sums as `_fwd_merge_kernel`, whichever split is last), writes O
+    # and LSE, and puts the count back to 0 for the next launch on the stream (`_ArrivalCounts`). Saves the
+    # merge kernel's launch, which on a short row costs about as much as the merge. The barrier before the
+    # count and its acquire-release order every thread's partial before the merging program's loads (which
+    # skip L1: `.cg`). ONE_LOOP: each split's keys in one masked loop (short splits: one pipeline start-up).
+    @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
+    def _fwd_split_merge_kernel(Q, K, V, O, LSE, OP, LP, COUNTS,  # COUNTS: >= Z*H x query tiles int32, all 0
+                                stride_qz, stride_qh, stride_qm,
+                                stride_kz, stride_kh, stride_kn,
+                                stride_vz, stride_vh, stride_vn,
+                                n_heads, n_q, n_k, causal_off, qk_scale, split_len, SEQ_CLASS,
+                                IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                                ONE_LOOP: tl.constexpr):
+        pid_zh = tl.program_id(0)
+        tile = tl.num_programs(1) - 1 - tl.program_id(1)
+        start_m = tile * BLOCK_M
+        split = tl.program_id(2)
+        if IS_CAUSAL:  # splits past the tile's last visible key have nothing to do and do not arrive
+            reach = tl.minimum(tl.maximum(start_m + BLOCK_M + causal_off, 0), n_k)
+        else:
+            reach = n_k
+        arrivals = tl.maximum(tl.cdiv(reach, split_len), 1)  # a tile that sees no key: split 0 writes it
+        if split < arrivals:
+            key_lo = split * split_len
+            acc, m_i, l_i = _fwd_rows(Q, K, V, pid_zh, start_m, key_lo, key_lo + split_len,
+                                      stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+                                      stride_vz, stride_vh, stride_vn, n_heads, n_q, n_k, causal_off, qk_scale,
+                                      IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, ONE_LOOP)
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            offs_d = tl.arange(0, BLOCK_D)
+            rows_ok = offs_m < n_q
+            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+            part = acc / l_safe[:, None]
+            lse2 = m_i + tl.math.log2(l_i)
+            first_row = pid_zh.to(tl.int64) * SPLITS * n_q
+            row = first_row + split * n_q + offs_m
+            tl.store(OP + row[:, None] * BLOCK_D + offs_d[None, :], part, mask=rows_ok[:, None])
+            tl.store(LP + row, lse2, mask=rows_ok)
+            tl.debug_barrier()
+            count = COUNTS + pid_zh * tl.num_programs(1) + tile
+            if tl.atomic_add(count, 1, sem="acq_rel") == arrivals - 1:
+                # all splits in order, this one's too (reloaded): the same sums as `_fwd_merge_kernel`,
+                # whichever split arrives last, so the output does not depend on timing
+                m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+                acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                for s in tl.static_range(SPLITS):
+                    # splits that did not arrive read as empty (a row bound, not a scalar mask: the
+                    # interpreter's int1 broadcast)
+                    rows_s = offs_m < tl.where(arrivals > s, n_q, 0)
+                    row_s = first_row + s * n_q + offs_m
+                    lse_s = tl.load(LP + row_s, mask=rows_s, other=float("-inf"), cache_modifier=".cg")
+                    o_s = tl.load(OP + row_s[:, None] * BLOCK_D + offs_d[None, :], mask=rows_s[:, None],
+                                  other=0.0, cache_modifier=".cg")
+                    acc, m_run, l_run = _merge_step(acc, m_run, l_run, o_s, lse_s)
+                l_run_safe = tl.where(l_run == 0.0, 1.0, l_run)
+                off_z = (pid_zh // n_heads).to(tl.int64)
+                off_h = (pid_zh % n_heads).to(tl.int64)
+                _store_rows(O + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+                            (acc / l_run_safe[:, None]).to(O.dtype.element_ty), offs_m, n_q, offs_d,
+                            HEAD_DIM, BLOCK_D)
+                tl.store(LSE + pid_zh.to(tl.int64) * n_q + offs_m,
+                         (m_run + tl.math.log2(l_run)) * 0.6931471805599453, mask=rows_ok)
+                tl.store(count, 0)  # every split of this launch has arrived: ready for the next launch
 
     # ----------------------------------------------------------------- backward
     @triton.jit
@@ -914,14 +993,62 @@ def _alloc_like(x: Tensor, dtype=None) -> Tensor:
     return torch.empty_like(x, dtype=dtype)
 
 
-# Split-KV forward (`_fwd_split_kernel` + `_fwd_merge_kernel`) on small grids. FWD_SPLIT switches it off;
-# FWD_SPLIT_KEYS forces a split length in keys (tests: the interpreter never splits on its own).
+# Split-KV forward on small grids: `_fwd_split_merge_kernel` (the last split of a query tile merges), or with
+# FWD_MERGE_IN_KERNEL off `_fwd_split_kernel` + `_fwd_merge_kernel` (two launches; the A/B baseline). FWD_SPLIT
+# switches splitting off; FWD_SPLIT_KEYS forces a split length in keys (tests: the interpreter never splits).
 FWD_SPLIT = True
 FWD_SPLIT_KEYS: int | None = None
+FWD_MERGE_IN_KERNEL = True
 # the autotuner's pick for the one-kernel forward at S <= 4096, B = H = 1 (H100, runs 7-10)
 _SPLIT_TILES = (64, 64, 4, 3)
+# rows of fewer than 32 key tiles (S = 1024): 32-row query tiles, twice the programs, and each split's keys in
+# one masked loop rather than an unmasked and a masked one (one pipeline start-up, not two): 14.2 µs against
+# 17.1 with 64-row tiles and two loops at d = 128, B = H = 1 (H100, run 16; SDPA-flash 15.3)
+_SHORT_SPLIT_TILES = (32, 64, 4, 3)
+SHORT_ROW_TILES = 32
 # more splits cost more in the merge (fp32 partial rows) than they gain in parallelism (run 14)
 MAX_FWD_SPLITS = 4
+
+
+class _ArrivalCounts:
+    """Zeroed int32 arrival counts for `_fwd_split_merge_kernel`, which puts every count it used back to 0.
+
+    Launches on one stream run one after another, so each (device, stream) keeps one buffer: no memset per
+    call. A CUDA graph must not share counts with anything that may run beside its replays (another graph, the
+    stream it was captured on), so a capture takes a buffer of its own from a reserve zeroed outside any
+    capture, or, once the reserve is spent, zeroes one inside the graph (a memset node in every replay)."""
+
+    SIZE = 1024     # counts per buffer; split grids have fewer query tiles than the GPU has SMs
+    RESERVE = 32    # spare buffers per device for captures
+
+    def __init__(self) -> None:
+        self._by_stream: dict[tuple[int, int], Tensor] = {}
+        self._reserve: dict[int, list[Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, device: torch.device, n: int) -> Tensor:
+        """A buffer of at least n zeroed counts for a launch on `device`'s current stream."""
+        cuda = device.type == "cuda"  # else the interpreter: one buffer, programs run one after another
+        index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else -1
+        # outside any TorchDispatchMode (flash_native's recorder): the buffers outlive the call
+        with _disable_current_modes(), self._lock:
+            if cuda and torch.cuda.is_current_stream_capturing():
+                spare = self._reserve.get(index)
+                if spare and n <= self.SIZE:
+                    return spare.pop()
+                return torch.zeros(n, device=device, dtype=torch.int32)
+            key = (index, _current_stream(index) if cuda else 0)
+            counts = self._by_stream.get(key)
+            if counts is None or counts.numel() < n:  # zeroed in this stream's order, before the launch
+                counts = self._by_stream[key] = torch.zeros(max(n, self.SIZE), device=device, dtype=torch.int32)
+            if cuda and len(self._reserve.get(index, ())) < self.RESERVE // 2:
+                block = torch.zeros((self.RESERVE, self.SIZE), device=device, dtype=torch.int32)
+                torch.cuda.current_stream(index).synchronize()  # zero before any graph replays a capture of it
+                self._reserve[index] = list(block.unbind(0)) + self._reserve.get(index, [])
+            return counts
+
+
+_ARRIVALS = _ArrivalCounts()
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -946,7 +1073,9 @@ def _fwd_split_len(device: torch.device, zh: int, n_q: int, n_k: int, bm: int, b
     14.2 / 14.9); so rows of 16+ key tiles split where the grid has at most a quarter as many programs as
     the GPU has SMs (B x H <= 2 at S = 1024 on an H100). Run 14: at S = 2048, 4 splits
     (one wave of 128 programs) took 15.8 / 20.5 µs at d = 64 / 128 against 8 splits' 16.8 / 24.4 (SDPA-flash:
-    16.7 / 21.7); at S = 4096, 4 splits 23.0 / 31.0 against 5 splits' 22.6 / 30.0."""
+    16.7 / 21.7); at S = 4096, 4 splits 23.0 / 31.0 against 5 splits' 22.6 / 30.0. (Those were two launches;
+    since run 16 one, and at S = 1024 with 32-row tiles: 10.3 / 12.5 / 14.2 µs against SDPA-flash's 13.5 /
+    14.4 / 15.3.)"""
     if FWD_SPLIT_KEYS is not None:
         return _cdiv(FWD_SPLIT_KEYS, bn) * bn
     if not FWD_SPLIT or INTERPRET:
@@ -976,11 +1105,24 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Te
     seq_class = _seq_class(max(n_q, n_k), z * h)
     bm, bn, warps, stages = _PINNED.get("fwd") or ((32, 16, 4, 1) if INTERPRET else _SPLIT_TILES)
     split_len = _fwd_split_len(q.device, z * h, n_q, n_k, bm, bn)
-    if split_len:  # small grid: split-KV kernel, then the merge
+    if split_len:  # small grid: split-KV
+        short = _cdiv(n_k, bn) < SHORT_ROW_TILES
+        if short and "fwd" not in _PINNED and not INTERPRET:
+            bm, bn, warps, stages = _SHORT_SPLIT_TILES
         splits = _cdiv(n_k, split_len)
         block_d = _BLOCK_D[d]
         o_part = torch.empty((z * h, splits, n_q, block_d), device=q.device, dtype=torch.float32)
         lse_part = torch.empty((z * h, splits, n_q), device=q.device, dtype=torch.float32)
+        if FWD_MERGE_IN_KERNEL:
+            arrivals = _ARRIVALS.get(q.device, z * h * _cdiv(n_q, bm))
+            if _RECORDER.current is not None:
+                _RECORDER.current.arrival_counts(arrivals, z * h * _cdiv(n_q, bm))
+            _run(_fwd_split_merge_kernel, (z * h, _cdiv(n_q, bm), splits),
+                 (q, k, v, o, lse, o_part, lse_part, arrivals, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
+                  sv[0], sv[1], sv[2], h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), split_len, seq_class), 8,
+                 IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, SPLITS=splits,
+                 ONE_LOOP=short, num_warps=warps, num_stages=stages)
+            return o, lse
         _run(_fwd_split_kernel, (z * h, _cdiv(n_q, bm), splits),
              (q, k, v, o_part, lse_part, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
               h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), split_len, seq_class), 5,

@@ -16,12 +16,11 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <memory>
 #include <mutex>
-#include <stdexcept>
-#include <string>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -37,16 +36,19 @@ using CUresult = int;
 using LaunchKernelFn = CUresult (*)(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                     unsigned bz, unsigned shared, void* stream, void** params, void** extra);
 using ErrorStringFn = CUresult (*)(CUresult, const char**);
+using StreamIsCapturingFn = CUresult (*)(void* stream, int* status);  // status 0: not capturing
 
 struct Driver {
   LaunchKernelFn launch = nullptr;
   ErrorStringFn error_string = nullptr;
+  StreamIsCapturingFn is_capturing = nullptr;
   Driver() {
     void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);  // loaded already by torch / Triton
     if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
     if (lib != nullptr) {
       launch = reinterpret_cast<LaunchKernelFn>(dlsym(lib, "cuLaunchKernel"));
       error_string = reinterpret_cast<ErrorStringFn>(dlsym(lib, "cuGetErrorString"));
+      is_capturing = reinterpret_cast<StreamIsCapturingFn>(dlsym(lib, "cuStreamIsCapturing"));
     }
   }
 };
@@ -74,20 +76,48 @@ struct Launch {
 struct Alloc {
   std::vector<int64_t> sizes, strides;
   at::ScalarType dtype;
+  int64_t arrival_counts;  // > 0: not an allocation but the stream's zeroed int32 arrival counts (this many)
 };
+
+void* current_stream(const c10::Device& device) {
+  return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device).native_handle();
+}
+
+bool capturing(void* stream) {
+  int status = 1;  // without the driver entry point, assume a capture (the Python path then runs)
+  if (driver().is_capturing != nullptr && driver().is_capturing(stream, &status) != 0) status = 1;
+  return status != 0;
+}
+
+// flash_triton's split-KV kernel counts the splits that finished per query tile and the last one puts the
+// count back to 0, so launches in one stream's order can share a buffer (zeroed once, in that order). As
+// flash_triton._ArrivalCounts does for the Python path; captures run the Python path instead (apply()).
+at::Tensor arrival_counts(const c10::Device& device, void* stream, int64_t n) {
+  static std::mutex mutex;
+  static auto* buffers = new std::unordered_map<uint64_t, at::Tensor>();  // leaked, as the cache
+  const uint64_t key = reinterpret_cast<uint64_t>(stream) ^ (static_cast<uint64_t>(device.index()) << 56);
+  std::lock_guard<std::mutex> lock(mutex);
+  at::Tensor& counts = (*buffers)[key];
+  if (!counts.defined() || counts.numel() < n) {
+    counts = at::zeros({std::max<int64_t>(n, 1024)}, at::TensorOptions().device(device).dtype(at::kInt));
+  }
+  return counts;
+}
 
 // One pass (forward or backward): allocations appended to the input slots, launches, output slots.
 struct Phase {
   std::vector<Alloc> allocs;
   std::vector<Launch> launches;
   std::vector<int32_t> outputs;
+  bool uses_arrival_counts = false;
 
   std::vector<at::Tensor> run(std::vector<at::Tensor>& slots, const c10::Device& device) const {
     auto options = at::TensorOptions().device(device);
+    void* stream = current_stream(device);
     for (const auto& a : allocs) {
-      slots.push_back(at::empty_strided(a.sizes, a.strides, options.dtype(a.dtype)));
+      slots.push_back(a.arrival_counts > 0 ? arrival_counts(device, stream, a.arrival_counts)
+                                           : at::empty_strided(a.sizes, a.strides, options.dtype(a.dtype)));
     }
-    void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device).native_handle();
     LaunchKernelFn launch = driver().launch;
     TORCH_CHECK(launch != nullptr, "flash_node: cuLaunchKernel not found in libcuda.so.1");
     for (const auto& l : launches) {
@@ -195,14 +225,15 @@ std::vector<Param> parse_params(const py::list& items) {
   return params;
 }
 
-// spec: (allocs [(sizes, strides, dtype)], launches [(function, (gx, gy, gz), threads, shared, scratch_bytes,
+// spec: (allocs [(sizes, strides, dtype, arrival counts)], launches [(function, (gx, gy, gz), threads, shared, scratch_bytes,
 // [(slot, bits)])], outputs [slot])
 Phase parse_phase(const py::tuple& spec) {
   Phase phase;
   for (const auto& item : spec[0].cast<py::list>()) {
     auto t = item.cast<py::tuple>();
     phase.allocs.push_back(Alloc{t[0].cast<std::vector<int64_t>>(), t[1].cast<std::vector<int64_t>>(),
-                                 t[2].cast<at::ScalarType>()});
+                                 t[2].cast<at::ScalarType>(), t[3].cast<int64_t>()});
+    phase.uses_arrival_counts |= phase.allocs.back().arrival_counts > 0;
   }
   for (const auto& item : spec[1].cast<py::list>()) {
     auto t = item.cast<py::tuple>();
@@ -295,6 +326,8 @@ py::object apply(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     }
     plan = it->second;
   }
+  // a CUDA graph needs arrival counts of its own, which the Python path gives it
+  if (plan->forward.uses_arrival_counts && capturing(current_stream(q.device()))) return py::int_(kPythonPath);
   return py::cast(FlashFunction::apply(q, k, v, causal, reinterpret_cast<int64_t>(plan)));
 }
 
