@@ -431,6 +431,30 @@ def test_gpu_larger_shapes(dtype, fn_cls):
 
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [1024, 2048, 1500], ids=["short_rows", "long_rows", "ragged"])
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 128), (torch.float16, 96), (torch.bfloat16, 16)],
+                         ids=["fp32_d128", "fp16_d96", "bf16_d16"])
+def test_gpu_split_forward_at_its_own_tiles(n, dtype, d):
+    """The split-KV forward chosen on its own (B = H = 1; 32-row tiles and one loop for rows under 32 key tiles,
+    64-row tiles and two loops above; a ragged last tile): every dtype and head dim it gets fits its fixed tiles
+    and matches float64, causal and not, with outputs poisoned first."""
+    assert ft._fwd_split_len(torch.device("cuda"), 1, n, n, 64, 64) > 0  # the split path, not the one kernel
+    old = ft.POISON_OUTPUTS
+    ft.POISON_OUTPUTS = True
+    try:
+        torch.manual_seed(9)
+        for causal in (True, False):
+            q, k, v = make_qkv((1, 1, n, d), n, dtype)
+            out, lse = flash_attention_with_lse(q.detach(), k.detach(), v.detach(), causal)
+            ref, ref_lse = reference_attention(*(x.detach().double() for x in (q, k, v)), causal)
+            assert rel_err(out, ref) < TOL[dtype]
+            assert (lse.double() - ref_lse).abs().max() < 1e-2
+    finally:
+        ft.POISON_OUTPUTS = old
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_gpu_memory_linear_in_sequence():
     peaks = []
     for s in (4096, 8192):

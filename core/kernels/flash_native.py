@@ -9,7 +9,9 @@ How: `FlashAttentionTriton.apply` hands eager CUDA calls to `attention`. The fir
 `_Recorder`, which sees every allocation (a TorchDispatchMode) and every kernel launch (flash_triton._run reports
 each compiled kernel, its grid and its arguments). If the forward did nothing else, the recording becomes a plan:
 the allocations' geometry, and per launch the CUfunction, grid, threads, shared memory and each parameter as a
-tensor slot or a value, in the order the compiled kernel takes them. The C++ node replays the plan for every later
+tensor slot or a value, in the order the compiled kernel takes them. One kind of slot is neither input nor
+allocation: the split-KV forward's arrival counts, which a replay takes from its own stream's buffer (and which keep
+a capturing stream on the Python path, where a CUDA graph gets counts of its own). The C++ node replays the plan for every later
 call of that signature, and records a backward plan per gradient signature the same way, through the Python
 backward on its first call. A signature whose Python path does anything else (autotuning, Gluon kernels, a copy,
 an op on the data) keeps the Python path.
