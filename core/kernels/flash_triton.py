@@ -1114,9 +1114,10 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Te
         o_part = torch.empty((z * h, splits, n_q, block_d), device=q.device, dtype=torch.float32)
         lse_part = torch.empty((z * h, splits, n_q), device=q.device, dtype=torch.float32)
         if FWD_MERGE_IN_KERNEL:
-            arrivals = _ARRIVALS.get(q.device, z * h * _cdiv(n_q, bm))
+            n_counts = z * h * _cdiv(n_q, bm)  # one per query tile
+            arrivals = _ARRIVALS.get(q.device, n_counts)
             if _RECORDER.current is not None:
-                _RECORDER.current.arrival_counts(arrivals, z * h * _cdiv(n_q, bm))
+                _RECORDER.current.arrival_counts(arrivals, n_counts)
             _run(_fwd_split_merge_kernel, (z * h, _cdiv(n_q, bm), splits),
                  (q, k, v, o, lse, o_part, lse_part, arrivals, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
                   sv[0], sv[1], sv[2], h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), split_len, seq_class), 8,
