@@ -216,6 +216,26 @@ if HAVE_TRITON:
                                    qk_scale, True, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D)
         return acc, m_i, l_i
 
+    @triton.jit
+    def _store_output(O, LSE, pid_zh, n_heads, stride_oz, stride_oh, stride_om, offs_m, offs_d, n_q, acc, m_i, l_i,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+        """O = acc / l in O's dtype, and the natural-log logsumexp (-inf where a row saw no key), for the rows
+        offs_m of batch x head pid_zh; (acc, m, l) unnormalised, base 2."""
+        o_base = O + (pid_zh // n_heads).to(tl.int64) * stride_oz + (pid_zh % n_heads).to(tl.int64) * stride_oh
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = (acc / l_safe[:, None]).to(O.dtype.element_ty)
+        _store_rows(o_base + offs_m[:, None] * stride_om + offs_d[None, :], out, offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
+        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+        tl.store(LSE + pid_zh.to(tl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
+
+    @triton.jit
+    def _store_partial(OP, LP, row, offs_d, rows_ok, acc, m_i, l_i, BLOCK_D: tl.constexpr):
+        """One split's normalised fp32 partial output and base-2 logsumexp, at partial rows `row` (output 0 and
+        logsumexp -inf for rows that saw none of the split's keys)."""
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        tl.store(OP + row[:, None] * BLOCK_D + offs_d[None, :], acc / l_safe[:, None], mask=rows_ok[:, None])
+        tl.store(LP + row, m_i + tl.math.log2(l_i), mask=rows_ok)
+
     # SEQ_CLASS is a tuning key only and n_heads only divides program ids: neither is specialized, so a
     # new sequence class or head count (1 vs 16) reuses the compiled kernel
     @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
@@ -233,14 +253,8 @@ if HAVE_TRITON:
                                   stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                                   stride_vz, stride_vh, stride_vn, n_heads, n_q, n_k, causal_off, qk_scale,
                                   IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        o_base = O + (pid_zh // n_heads).to(tl.int64) * stride_qz + (pid_zh % n_heads).to(tl.int64) * stride_qh
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        out = (acc / l_safe[:, None]).to(O.dtype.element_ty)
-        _store_rows(o_base + offs_m[:, None] * stride_qm + offs_d[None, :], out, offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
-        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # natural log; -inf where nothing seen
-        tl.store(LSE + pid_zh.to(tl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
+        _store_output(O, LSE, pid_zh, n_heads, stride_qz, stride_qh, stride_qm, start_m + tl.arange(0, BLOCK_M),
+                      tl.arange(0, BLOCK_D), n_q, acc, m_i, l_i, HEAD_DIM, BLOCK_D)
 
     # Split-KV forward for small grids (few batch x heads, few query tiles): the key range of every query
     # tile is cut into splits of `split_len` keys, one program per (query tile, split), each writing its
@@ -265,11 +279,8 @@ if HAVE_TRITON:
                                   IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
         # a split this tile does not reach (or rows that see none of its keys): output 0, logsumexp -inf
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         row = (pid_zh.to(tl.int64) * tl.num_programs(2) + split) * n_q + offs_m
-        tl.store(OP + row[:, None] * BLOCK_D + offs_d[None, :], acc / l_safe[:, None], mask=offs_m[:, None] < n_q)
-        tl.store(LP + row, m_i + tl.math.log2(l_i), mask=offs_m < n_q)
+        _store_partial(OP, LP, row, tl.arange(0, BLOCK_D), offs_m < n_q, acc, m_i, l_i, BLOCK_D)
 
     @triton.jit
     def _merge_step(acc, m_i, l_i, o_s, lse_s):
@@ -296,13 +307,8 @@ if HAVE_TRITON:
             lse_s = tl.load(LP + row, mask=offs_m < n_q, other=float("-inf"))
             o_s = tl.load(OP + row[:, None] * BLOCK_D + offs_d[None, :], mask=offs_m[:, None] < n_q, other=0.0)
             acc, m_i, l_i = _merge_step(acc, m_i, l_i, o_s, lse_s)
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        off_z = (pid_zh // n_heads).to(tl.int64)
-        off_h = (pid_zh % n_heads).to(tl.int64)
-        _store_rows(O + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
-                    (acc / l_safe[:, None]).to(O.dtype.element_ty), offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
-        tl.store(LSE + pid_zh.to(tl.int64) * n_q + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453,
-                 mask=offs_m < n_q)
+        _store_output(O, LSE, pid_zh, n_heads, stride_oz, stride_oh, stride_om, offs_m, offs_d, n_q, acc, m_i, l_i,
+                      HEAD_DIM, BLOCK_D)
 
     # Split-KV forward in one launch: every split of a query tile writes its partial output and base-2
     # logsumexp, then counts itself in (one arrival count per query tile); the split that arrives last merges
@@ -337,14 +343,8 @@ if HAVE_TRITON:
                                       IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, ONE_LOOP)
             offs_m = start_m + tl.arange(0, BLOCK_M)
             offs_d = tl.arange(0, BLOCK_D)
-            rows_ok = offs_m < n_q
-            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-            part = acc / l_safe[:, None]
-            lse2 = m_i + tl.math.log2(l_i)
             first_row = pid_zh.to(tl.int64) * SPLITS * n_q
-            row = first_row + split * n_q + offs_m
-            tl.store(OP + row[:, None] * BLOCK_D + offs_d[None, :], part, mask=rows_ok[:, None])
-            tl.store(LP + row, lse2, mask=rows_ok)
+            _store_partial(OP, LP, first_row + split * n_q + offs_m, offs_d, offs_m < n_q, acc, m_i, l_i, BLOCK_D)
             tl.debug_barrier()
             count = COUNTS + pid_zh * tl.num_programs(1) + tile
             if tl.atomic_add(count, 1, sem="acq_rel") == arrivals - 1:
@@ -362,14 +362,8 @@ if HAVE_TRITON:
                     o_s = tl.load(OP + row_s[:, None] * BLOCK_D + offs_d[None, :], mask=rows_s[:, None],
                                   other=0.0, cache_modifier=".cg")
                     acc, m_run, l_run = _merge_step(acc, m_run, l_run, o_s, lse_s)
-                l_run_safe = tl.where(l_run == 0.0, 1.0, l_run)
-                off_z = (pid_zh // n_heads).to(tl.int64)
-                off_h = (pid_zh % n_heads).to(tl.int64)
-                _store_rows(O + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
-                            (acc / l_run_safe[:, None]).to(O.dtype.element_ty), offs_m, n_q, offs_d,
-                            HEAD_DIM, BLOCK_D)
-                tl.store(LSE + pid_zh.to(tl.int64) * n_q + offs_m,
-                         (m_run + tl.math.log2(l_run)) * 0.6931471805599453, mask=rows_ok)
+                _store_output(O, LSE, pid_zh, n_heads, stride_qz, stride_qh, stride_qm, offs_m, offs_d, n_q, acc,
+                              m_run, l_run, HEAD_DIM, BLOCK_D)
                 tl.store(count, 0)  # every split of this launch has arrived: ready for the next launch
 
     # ----------------------------------------------------------------- backward
