@@ -93,6 +93,7 @@ class SDPAAttention(AttentionImpl):
             raise ConfigError("attention_impl.backend", f"unknown SDPA backend {backend!r}",
                               f"use one of {', '.join(_SDPA_BACKENDS)}")
         self.backend = backend
+        self.name = "sdpa" if backend == "auto" else f"sdpa[{backend}]"
         self._backends = None
         if backend != "auto":
             from torch.nn.attention import SDPBackend
@@ -124,10 +125,11 @@ class KernelAttention(AttentionImpl):
     """Adapter for a kernel `torch.autograd.Function` ``Fn.apply(q, k, v, is_causal)``.
 
     `kernel` is the Function's dotted import path. Set `native_gqa` when the kernel
-    accepts k, v with fewer heads than q; otherwise k and v are expanded first.
+    accepts k, v with fewer heads than q; otherwise k and v are expanded first. `name` is what
+    results tables and summary.json call it (default: the Function's class name).
     """
 
-    def __init__(self, kernel: str, native_gqa: bool = False) -> None:
+    def __init__(self, kernel: str, native_gqa: bool = False, name: str | None = None) -> None:
         try:
             fn = get_object(kernel)
         except Exception as e:  # ImportError, AttributeError, hydra's own wrapper
@@ -136,7 +138,7 @@ class KernelAttention(AttentionImpl):
         self.kernel = kernel
         self.native_gqa = native_gqa
         self._apply: Callable[..., Tensor] = fn.apply
-        self.name = kernel.rsplit(".", 1)[-1]
+        self.name = name or kernel.rsplit(".", 1)[-1]
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = True) -> Tensor:
         if not self.native_gqa:

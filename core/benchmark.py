@@ -60,7 +60,7 @@ def run_benchmark(run) -> dict[str, Any]:
     flops = run.flops.model_flops_per_step * {"forward": 1 / 3, "forward_backward": 1.0, "train_step": 1.0}[cfg.mode]
     row = {
         "status": "ok", "benchmark_mode": cfg.mode, "model": run.model_cfg.name, "precision": run.precision.name,
-        "attention": run.cfg.attention_impl._target_.rsplit(".", 1)[-1], "compile": bool(run.cfg.compile),
+        "attention": run.attention, "compile": bool(run.cfg.compile),
         "parallelism": run.strategy.name, "mesh": run.mesh.describe(), "world_size": run.mesh.world_size,
         "batch_size": run.cfg.train.batch_size, "seq_len": run.data.seq_len,
         "warmup": cfg.warmup, "steps": cfg.steps, "mean_ms": mean, "std_ms": std, "median_ms": median,

@@ -71,6 +71,7 @@ class Run:
     flops: FlopCounter
     run_dir: Path
     local_batch: int                # sequences per rank per micro-step
+    attention: str                  # the attention implementation's name (flash_triton, sdpa[cudnn], ...)
     memory_marks: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -261,7 +262,7 @@ def build(cfg: DictConfig, mesh: ParallelMesh | None = None) -> Run:
     tokens = cfg.train.batch_size * data.seq_len
     flops = FlopCounter(per_token * tokens, (per_token + recompute) * tokens, peak, source, mesh.world_size)
     return Run(cfg, mesh, strategy, precision, model_cfg, wrapped, model, optimizer, schedule, data, flops,
-               run_dir, local_batch, marks)
+               run_dir, local_batch, attention.name, marks)
 
 
 def _build_loggers(cfg: DictConfig, is_main: bool) -> Logger:
@@ -326,7 +327,7 @@ def _train_loop(run: Run) -> dict[str, Any]:
     if mesh.is_main:
         print(f"[scalelab] {run.model_cfg.name}: {run.model_cfg.num_params() / 1e6:.2f}M params | "
               f"{run.data.describe()} | {mesh.describe()} on {run.device} | {run.strategy.name} | "
-              f"{run.precision.name} | attention {cfg.attention_impl._target_.rsplit('.', 1)[-1]}"
+              f"{run.precision.name} | attention {run.attention}"
               + (f" | resumed at step {start_step} from {resume_from}" if resume_from else ""), flush=True)
         if run.flops.peak_flops_per_device is None:
             print(f"[scalelab] {run.flops.peak_source}", flush=True)
@@ -410,8 +411,8 @@ def _summary(run: Run, status: str, step: int, first_loss, last_loss, val_loss, 
         "model": run.model_cfg.name, "params": run.model_cfg.num_params(),
         "parallelism": run.strategy.name, "mesh": run.mesh.describe(), "world_size": run.mesh.world_size,
         "device": str(torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else "cpu"),
-        "precision": run.precision.name, "batch_size": run.cfg.train.batch_size, "seq_len": run.data.seq_len,
-        "first_loss": first_loss, "final_loss": last_loss, "final_val_loss": val_loss,
+        "precision": run.precision.name, "attention": run.attention, "batch_size": run.cfg.train.batch_size,
+        "seq_len": run.data.seq_len, "first_loss": first_loss, "final_loss": last_loss, "final_val_loss": val_loss,
         "step_time_ms": step_s * 1e3, "tokens_per_s": run.tokens_per_step / step_s if step_s > 0 else None,
         "mfu": run.flops.mfu(step_s), "hfu": run.flops.hfu(step_s), "mfu_peak_source": run.flops.peak_source,
         "model_tflops_per_step": run.flops.model_flops_per_step / 1e12,

@@ -129,6 +129,65 @@ def test_non_contiguous_model_layout(fn):
     check_against_reference(fn, q, k, v, True, TOL[torch.float32])
 
 
+def fused_qkv_views(b, t, h, h_kv, d, dtype, views):
+    """q, k, v as core/model.py makes them: one (B, T, H + 2 H_kv, d) projection, transposed to heads-first and
+    split, so each is a view with gaps between its heads' rows. views[i] False hands over a dense copy instead."""
+    qkv = torch.randn(b, t, h + 2 * h_kv, d, device=DEVICE, dtype=dtype)
+    parts = qkv.transpose(1, 2).split([h, h_kv, h_kv], dim=1)
+    return [(x if view else x.contiguous()).detach().requires_grad_() for x, view in zip(parts, views)]
+
+
+VIEW_COMBOS = [(q, k, v) for q in (False, True) for k in (False, True) for v in (False, True)]
+
+
+@pytest.mark.parametrize("fn", IMPLS)
+@pytest.mark.parametrize("views", VIEW_COMBOS, ids=lambda c: "views_" + ("".join(n for n, on in zip("qkv", c) if on)
+                                                                         or "none"))
+def test_fused_projection_views(fn, views):
+    """Every combination of q, k, v as non-dense views of the fused qkv projection, causal and not: outputs and
+    gradients against float64 (outputs and gradients were written with the dense copies' strides into tensors
+    laid out like the views, scrambling them)."""
+    torch.manual_seed(sum(views))
+    q, k, v = fused_qkv_views(2, 37, 2, 2, 16, torch.float32, views)
+    assert q.is_contiguous() != views[0] and k.is_contiguous() != views[1] and v.is_contiguous() != views[2]
+    for causal in (True, False):
+        for x in (q, k, v):
+            x.grad = None
+        check_against_reference(fn, q, k, v, causal, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("fn", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_fused_projection_views_half(fn, dtype):
+    torch.manual_seed(5)
+    q, k, v = fused_qkv_views(1, 70, 2, 2, 32, dtype, (True, True, True))
+    check_against_reference(fn, q, k, v, True, TOL[dtype])
+
+
+@pytest.mark.parametrize("impl", ["flash_torch", "flash_triton"])
+def test_grouped_query_views_through_the_plugin(impl):
+    """Grouped-query attention as the model runs it: q a view of the fused projection, k and v (2 KV heads for 4
+    query heads) expanded by the attention plugin; gradients flow back to the unexpanded k and v."""
+    if impl == "flash_triton" and not TRITON_OK:
+        pytest.skip("needs CUDA or the Triton interpreter")
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from tests.utils import CONF
+    attn = instantiate(OmegaConf.load(CONF / "attention_impl" / f"{impl}.yaml"))
+    torch.manual_seed(6)
+    q, k, v = fused_qkv_views(2, 33, 4, 2, 16, torch.float32, (True, True, True))
+    out = attn(q, k, v, is_causal=True)
+    do = torch.randn_like(out)
+    out.backward(do)
+    qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref, _ = reference_attention(qr, kr.repeat_interleave(2, dim=1), vr.repeat_interleave(2, dim=1), True)
+    ref.backward(do.double())
+    assert rel_err(out, ref) < TOL[torch.float32]
+    for g, gr in ((q.grad, qr.grad), (k.grad, kr.grad), (v.grad, vr.grad)):
+        assert g.shape == gr.shape and rel_err(g, gr) < TOL[torch.float32]
+
+
 # Fused backward: program i does key tile i (BLOCK_N wide) and query tile i (BLOCK_M high); with several
 # tiles both ways and unequal tile counts, some programs skip one phase. Pinned tiles: equal, and unequal
 # both ways (the interpreter's default for the fused kernel is 32/16). Outputs poisoned with NaN.
@@ -297,6 +356,22 @@ def test_saves_one_logsumexp(fn_cls):
     """q, k, v, the output and one (..., N_q) fp32 logsumexp: what autograd packs for backward (the hooks see the
     C++ autograd node's saved tensors as well as a Python Function's)."""
     q, k, v = make_qkv((1, 2, 20, 16), 20, torch.float32)
+    _assert_saves_one_logsumexp(fn_cls, q, k, v)
+
+
+@pytest.mark.parametrize("fn_cls", [pytest.param(FlashAttentionTorch, id="flash_torch"),
+                                    pytest.param(FlashAttentionTriton, id="flash_triton", marks=needs_triton)])
+@pytest.mark.parametrize("shape", [(3, 20, 16), (20, 16), (2, 1, 2, 20, 16)], ids=["3d", "2d", "5d"])
+def test_saved_logsumexp_has_the_inputs_leading_dims(fn_cls, shape):
+    """(batch, seq, d) inputs save a (batch, seq) logsumexp, not the kernels' 4-D (1, batch, seq); likewise 2-D
+    and 5-D inputs; the backward through it still matches float64."""
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(shape, device=DEVICE).requires_grad_() for _ in range(3))
+    _assert_saves_one_logsumexp(fn_cls, q, k, v)
+    check_against_reference(fn_cls.apply, q, k, v, True, TOL[torch.float32])
+
+
+def _assert_saves_one_logsumexp(fn_cls, q, k, v):
     for _ in range(2):  # on a GPU the second call goes through flash_triton's C++ autograd node
         packed = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
@@ -304,6 +379,7 @@ def test_saves_one_logsumexp(fn_cls):
         assert len(packed) == 5
         lse = packed[4]
         assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32
+        assert sum(t.shape == q.shape[:-1] for t in packed) == 1
         assert packed[3].data_ptr() == out.data_ptr()
 
 
@@ -677,6 +753,25 @@ def test_gpu_gluon_kernels_match(kernel, shape_q, n_k, causal, dtype, monkeypatc
     rk, rv = torch.autograd.grad(FlashAttentionTriton.apply(q, k, v, causal), (k, v), do)
     for a, b in ((gk, rk), (gv, rv)):
         assert torch.allclose(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel", ["dkdv", "ws"])
+@pytest.mark.parametrize("views", [(True, True, True), (False, True, False), (True, False, True)],
+                         ids=["views_qkv", "views_k", "views_qv"])
+def test_gpu_gluon_kernels_on_fused_projection_views(kernel, views, monkeypatch):
+    """The Gluon backward kernels address dK / dV with K's / V's strides through TMA descriptors: with q, k, v as
+    views of the fused projection (row strides of 3 H d), gradients against float64."""
+    if not _gluon_usable():
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    torch.manual_seed(14)
+    variant = ft.BWD_TWO_PASS if kernel == "dkdv" else ft.BWD_ATOMIC_DQ
+    monkeypatch.setattr(ft, "_default_bwd", lambda q, k, do: variant)
+    monkeypatch.setattr(ft, "GLUON_DKDV", kernel == "dkdv")
+    monkeypatch.setattr(ft, "GLUON_WS", kernel == "ws")
+    q, k, v = fused_qkv_views(2, 258, 3, 3, 64, torch.bfloat16, views)
+    check_against_reference(FlashAttentionTriton.apply, q, k, v, True, TOL[torch.bfloat16])
 
 
 @gpu

@@ -65,6 +65,7 @@ def test_benchmark_mode_returns_timings(tmp_path):
                               "benchmark.steps=3", "data=synthetic", "train.batch_size=2"], tmp_path)
     row = run_job(cfg)
     assert row["benchmark_mode"] == "forward_backward" and len(row["times_ms"]) == 3
+    assert row["attention"] == "sdpa"
     assert all(t > 0 for t in row["times_ms"]) and row["std_ms"] >= 0
     assert abs(row["mean_ms"] - sum(row["times_ms"]) / 3) < 1e-6
     assert "| forward_backward |" in (tmp_path / "benchmark.md").read_text()

@@ -987,6 +987,17 @@ def _alloc_like(x: Tensor, dtype=None) -> Tensor:
     return torch.empty_like(x, dtype=dtype)
 
 
+def _operand_and_output(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(operand, output) that share one layout: the kernels address an output (O, dQ, dK, dV) with its operand's
+    strides. `empty_like` keeps the strides of a dense operand only; a view with gaps (q, k, v sliced from a fused
+    qkv projection) or one that overlaps itself (an expanded GQA key) gets dense strides of its own, so such an
+    operand is copied to those same strides first (not to `.contiguous()`, whose layout can differ again)."""
+    out = _alloc_like(x)
+    if out.stride() != x.stride():
+        x = torch.empty_like(out).copy_(x)
+    return x, out
+
+
 # Split-KV forward on small grids: `_fwd_split_merge_kernel` (the last split of a query tile merges), or with
 # FWD_MERGE_IN_KERNEL off `_fwd_split_kernel` + `_fwd_merge_kernel` (two launches; the A/B baseline). FWD_SPLIT
 # switches splitting off; FWD_SPLIT_KEYS forces a split length in keys (tests: the interpreter never splits).
@@ -1088,11 +1099,8 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Te
     _check_runtime(q)
     z, h, n_q, d = q.shape
     n_k = k.shape[2]
-    o = _alloc_like(q)
+    q, o = _operand_and_output(q)
     sq, sk, sv = q.stride(), k.stride(), v.stride()
-    if o.stride() != sq:  # q overlaps itself (e.g. expanded): the kernel writes O with Q's strides
-        q = q.contiguous()
-        sq = q.stride()
     lse = torch.full((z, h, n_q), float("nan"), device=q.device, dtype=torch.float32) if POISON_OUTPUTS \
         else torch.empty((z, h, n_q), device=q.device, dtype=torch.float32)
     causal_off = n_k - n_q if is_causal else 0
@@ -1181,21 +1189,13 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     n_k = k.shape[2]
     if variant == BWD_FUSED and z * h > _MAX_GRID_Y:  # the fused grid's dim 1 is batch x heads
         variant = BWD_TWO_PASS
-    # the kernels address O and dQ with Q's strides, dK with K's and dV with V's (fewer launch arguments):
-    # outputs are allocated like their operand, and an operand whose layout empty_like does not keep
-    # (one that overlaps itself, e.g. an expanded K of grouped-query attention) is made contiguous first
-    dq, dk, dv = _alloc_like(q), _alloc_like(k), _alloc_like(v)
+    # the kernels address O and dQ with Q's strides, dK with K's and dV with V's (fewer launch arguments)
+    q, dq = _operand_and_output(q)
+    k, dk = _operand_and_output(k)
+    v, dv = _operand_and_output(v)
+    if o.stride() != q.stride():  # O saved by a forward on another layout of q
+        o = torch.empty_like(q).copy_(o)
     sq, sk, sv, sdo = q.stride(), k.stride(), v.stride(), do.stride()
-    if dq.stride() != sq or o.stride() != sq:
-        q, o = q.contiguous(), o.contiguous()
-        dq = _alloc_like(q)
-        sq = q.stride()
-    if dk.stride() != sk:
-        k = k.contiguous()
-        sk = k.stride()
-    if dv.stride() != sv:
-        v = v.contiguous()
-        sv = v.stride()
     block_d = _BLOCK_D[d]
     causal_off = n_k - n_q if is_causal else 0
     sm_scale = 1.0 / math.sqrt(d)
@@ -1405,8 +1405,9 @@ class FlashAttentionTriton(torch.autograd.Function):
         else:
             o4, lse4 = flash_fwd_impl(q4, k4, v4, is_causal)
         out = o4 if q.dim() == 4 else o4.reshape(q.shape)  # a view back to (..., N, d)
-        # backward needs the 4-D operands: save those (same storage), not the caller's views
-        ctx.save_for_backward(q4, k4, v4, o4, lse4)
+        # backward needs the 4-D operands: save those (same storage), not the caller's views; the logsumexp is
+        # saved with the input's leading dims, (..., N_q), the one saved tensor of that shape
+        ctx.save_for_backward(q4, k4, v4, o4, lse4.reshape(q.shape[:-1]))
         ctx.is_causal = is_causal
         ctx.in_dtypes = in_dtypes
         ctx.shapes = (q.shape, k.shape, v.shape)
@@ -1450,7 +1451,8 @@ def _default_bwd(q4: Tensor, k4: Tensor, do4: Tensor) -> int:
 
 
 def _backward(ctx, do: Tensor, variant: int | None):
-    q4, k4, v4, o4, lse4 = ctx.saved_tensors
+    q4, k4, v4, o4, lse = ctx.saved_tensors
+    lse4 = lse.reshape(q4.shape[:-1])
     qs, ks, vs = ctx.shapes
     if do.dtype != q4.dtype:
         do = do.to(q4.dtype)
