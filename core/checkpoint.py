@@ -1,17 +1,28 @@
-"""Checkpoints: atomic, keep-last-k, resumable exactly.
+"""Checkpoints: published atomically, keep-last-k, resumable exactly.
 
 A checkpoint is a directory `step_000123/` holding `trainer.pt` (step, RNG states,
-scheduler and scaler state, the config fingerprint) and the model/optimizer state in
-the strategy's format: `state.pt` (rank 0 writes the full state) or `dcp/`
-(torch.distributed.checkpoint, every rank writes its shards). It is written under a
-temporary name and renamed into place, so a crash while saving never damages the last
-good checkpoint; only then are old ones pruned. Loading uses `weights_only=True`.
+scheduler and scaler state, the resume fingerprint, see core/resume.py) and the
+model/optimizer state in the strategy's format: `state.pt` (rank 0 writes the full state)
+or `dcp/` (torch.distributed.checkpoint, every rank writes its shards).
+
+Publishing is one protocol for both formats: everything is written under `.tmp_step_N/`;
+then, if `step_N/` exists already (the end-of-run save of a step that was also a periodic
+one), it is renamed aside to `.old_step_N/`, the new copy is renamed in, and only then is
+the old copy deleted. Nothing is deleted before its replacement is in place, so a crash at
+any point leaves a loadable newest checkpoint: discovery sees only `step_N/` names, and
+`recover()` (run before every resume and save) puts an aside copy back if the crash came
+before its replacement was renamed in, and removes leftovers. Pruning renames a checkpoint
+to `.del_step_N/` before deleting it, so a half-deleted one is never taken for a checkpoint.
+Loading uses `weights_only=True`. Every failure is one line naming the key and the fix.
 """
 from __future__ import annotations
 
+import errno
+import os
 import random
 import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +30,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from core.distributed.strategy import Strategy
 from core.errors import ConfigError, require
+from core.resume import check_resumable
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP, _ASIDE, _DISCARD = ".tmp_", ".old_", ".del_"  # prefixes of a checkpoint being written, replaced, pruned
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def rng_state() -> dict[str, Any]:
@@ -45,13 +60,70 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _is_main() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return not _distributed() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _from_main(value: Any) -> Any:
+    """Rank 0's `value` on every rank; a synchronisation point too."""
+    if not _distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _write(obj: Any, path: Path) -> None:
+    """torch.save through a Python file, so a failed write raises its OSError (errno) with it, then fsync."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _os_error(exc: BaseException | None) -> OSError | None:
+    """The OSError behind a failed write: torch.save wraps it in a RuntimeError (as its context), DCP in a
+    CheckpointException (per rank, in `failures`)."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return None
+
+
+def _read_error(exc: BaseException) -> str:
+    """One line describing why a checkpoint file could not be read."""
+    os_err = _os_error(exc)
+    if os_err is not None:
+        return f"{type(os_err).__name__}: {os_err.strerror or os_err}"
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        exc = first[0] if isinstance(first, tuple) else first
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+
+
+def _discard(path: Path) -> None:
+    """Delete a directory that no discovery can take for a checkpoint (a temporary, aside or pruned one)."""
+    shutil.rmtree(path, ignore_errors=True)
 
 
 class Checkpointer:
@@ -65,6 +137,7 @@ class Checkpointer:
 
     # ---- discovery ----------------------------------------------------------------
     def checkpoints(self) -> list[Path]:
+        """Published checkpoints, oldest first (never a temporary, aside or half-deleted directory)."""
         if not self.dir.is_dir():
             return []
         found = [(int(m.group(1)), p) for p in self.dir.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()
@@ -75,10 +148,27 @@ class Checkpointer:
         found = self.checkpoints()
         return found[-1] if found else None
 
+    def recover(self) -> None:
+        """Finish what a crash interrupted (rank 0 only): an aside copy whose replacement never arrived is put
+        back; temporaries, aside copies already replaced and half-pruned checkpoints are removed."""
+        if not self.dir.is_dir():
+            return
+        for p in sorted(self.dir.iterdir()):
+            if p.name.startswith(_ASIDE) and _STEP_DIR.match(name := p.name[len(_ASIDE):]):
+                if (self.dir / name).exists():
+                    _discard(p)
+                else:
+                    os.replace(p, self.dir / name)
+            elif p.name.startswith((_TMP, _DISCARD)) and _STEP_DIR.match(p.name.split("_", 1)[1]):
+                _discard(p)
+
     def resolve(self, resume: str | None) -> Path | None:
-        """`resume` = None (fresh), 'auto' (newest here, if any) or a checkpoint directory."""
+        """`resume` = None (fresh), 'auto' (newest here, if any) or a checkpoint directory. Collective."""
         if resume is None or resume is False:
             return None
+        if _is_main():
+            self.recover()
+        _barrier()
         if resume == "auto":
             return self.latest()
         path = Path(str(resume))
@@ -92,59 +182,141 @@ class Checkpointer:
     # ---- save -------------------------------------------------------------------------
     def save(self, step: int, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer,
              trainer_state: dict[str, Any]) -> Path:
+        """Write checkpoint `step` and publish it atomically (collective: every rank calls it)."""
         final = self.dir / f"step_{step:06d}"
-        tmp = self.dir / f".tmp_step_{step:06d}"
+        tmp = self.dir / f"{_TMP}{final.name}"
+        failure: BaseException | None = None
         if _is_main():
-            self.dir.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        _barrier()
-        state = strategy.state_dict(model, optimizer)
-        if strategy.checkpoint_format == "dcp":
-            import torch.distributed.checkpoint as dcp
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                self.recover()
+                tmp.mkdir()
+            except OSError as e:
+                failure = e
+        problem = _from_main(self._describe(failure, step))
+        if problem is None:
+            state = strategy.state_dict(model, optimizer)
+            try:
+                if strategy.checkpoint_format == "dcp":
+                    import torch.distributed.checkpoint as dcp
 
-            dcp.save(state, checkpoint_id=str(tmp / "dcp"))
-        elif _is_main():
-            torch.save(state, tmp / "state.pt")
+                    dcp.save(state, checkpoint_id=str(tmp / "dcp"))  # collective: a failure raises on every rank
+                elif _is_main():
+                    _write(state, tmp / "state.pt")
+                if _is_main():
+                    _write({**trainer_state, "step": step, "rng": rng_state(), "fingerprint": self.fingerprint,
+                            "format": strategy.checkpoint_format}, tmp / "trainer.pt")
+                    self._publish(tmp, final)
+            except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+                failure = e
+            problem = _from_main(self._describe(failure, step))
+        if problem is not None:
+            if _is_main():
+                _discard(tmp)
+                try:
+                    self.recover()  # an aside copy goes back if its replacement was not renamed in
+                except OSError:
+                    pass
+            if failure is not None and _os_error(failure) is None:
+                raise failure  # not an I/O failure: a bug, with its traceback
+            raise ConfigError("checkpoint.dir", problem[0], problem[1])
         if _is_main():
-            torch.save({**trainer_state, "step": step, "rng": rng_state(), "fingerprint": self.fingerprint,
-                        "format": strategy.checkpoint_format}, tmp / "trainer.pt")
-            if final.exists():  # re-saving the same step (e.g. final save after a periodic one)
-                shutil.rmtree(final)
-            tmp.rename(final)  # atomic on one filesystem: the checkpoint appears whole or not at all
-            for old in self.checkpoints()[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+            self._prune()
         _barrier()
         return final
 
+    @staticmethod
+    def _publish(tmp: Path, final: Path) -> None:
+        """Make the complete `tmp` the checkpoint `final`: the old copy goes aside, the new one in, then the
+        old one is deleted. Each rename is atomic on one filesystem."""
+        aside = final.with_name(_ASIDE + final.name)
+        replacing = final.exists()
+        if replacing:
+            os.replace(final, aside)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        if replacing:
+            _discard(aside)
+
+    def _prune(self) -> None:
+        for old in self.checkpoints()[: -self.keep_last]:
+            gone = old.with_name(_DISCARD + old.name)
+            try:
+                os.replace(old, gone)
+            except OSError:  # cannot prune (permissions): keep it, the new checkpoint is safe
+                continue
+            _discard(gone)
+
+    def _describe(self, failure: BaseException | None, step: int) -> tuple[str, str] | None:
+        """(problem, fix) for a failed save, as every rank will report it; None when nothing failed."""
+        if failure is None:
+            return None
+        os_err = _os_error(failure)
+        newest = self.latest()
+        kept = f"; the newest checkpoint, {newest.name}, is intact" if newest else ""
+        if os_err is not None and os_err.errno in _NO_SPACE:
+            return (f"no space left on the disk holding {self.dir} while saving step {step} (the partial "
+                    f"checkpoint was removed{kept})", "free disk space, lower checkpoint.keep_last or set "
+                    "checkpoint.dir to a disk with room, then continue with resume=auto")
+        reason = f"{type(os_err).__name__}: {os_err.strerror or os_err}" if os_err is not None else \
+            f"{type(failure).__name__}: {(str(failure).strip().splitlines() or [''])[0]}"
+        return (f"cannot write checkpoint step {step} to {self.dir} ({reason}; the partial checkpoint was "
+                f"removed{kept})", "make checkpoint.dir writable or point it at another directory, then continue "
+                "with resume=auto")
+
     # ---- load -------------------------------------------------------------------------
-    def load(self, path: Path, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Restore model, optimizer and RNG from `path`; return the trainer state (step, scheduler, scaler...)."""
+    def load(self, path: Path, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer,
+             allowed_changes: Iterable[str] = ()) -> dict[str, Any]:
+        """Restore model, optimizer and RNG from `path`; return the trainer state (step, scheduler, scaler...).
+
+        The fingerprint is checked before any state is loaded (core/resume.py). Optimizer hyper-parameters
+        are this run's (so an allowed change takes effect); moments and step counts are the checkpoint's."""
+        fix = self._unreadable_fix(path)
         try:
             trainer_state = torch.load(path / "trainer.pt", weights_only=True)
-        except Exception as e:
-            raise ConfigError("resume", f"{path}/trainer.pt cannot be read ({type(e).__name__}: {e})",
-                              "point resume at an intact checkpoint or start fresh (resume=null)") from None
-        saved = trainer_state.get("fingerprint", {})
-        diffs = [f"{k}: checkpoint {saved.get(k)!r} vs run {v!r}" for k, v in self.fingerprint.items()
-                 if k in saved and saved[k] != v]
-        require(not diffs, "resume", f"checkpoint {path} comes from an incompatible config ({'; '.join(diffs)})",
-                "resume with the config that wrote it, or start a fresh run (resume=null)")
+        except Exception as e:  # noqa: BLE001 - any unreadable file is the same one-line error
+            raise ConfigError("resume", f"{path}/trainer.pt cannot be read ({_read_error(e)})", fix) from None
+        check_resumable(trainer_state.get("fingerprint", {}), self.fingerprint, allowed_changes, path)
         require(trainer_state.get("format") == strategy.checkpoint_format, "resume",
                 f"checkpoint {path} was written in {trainer_state.get('format')!r} format, but parallelism "
                 f"{strategy.name!r} uses {strategy.checkpoint_format!r}", "resume under the strategy that wrote it")
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         state = strategy.state_dict(model, optimizer)
-        if strategy.checkpoint_format == "dcp":
-            import torch.distributed.checkpoint as dcp
+        stored = path / ("dcp" if strategy.checkpoint_format == "dcp" else "state.pt")
+        try:
+            if strategy.checkpoint_format == "dcp":
+                import torch.distributed.checkpoint as dcp
 
-            dcp.load(state, checkpoint_id=str(path / "dcp"))
-        else:
-            state = torch.load(path / "state.pt", weights_only=True, map_location="cpu")
+                dcp.load(state, checkpoint_id=str(stored))
+            else:
+                state = torch.load(stored, weights_only=True, map_location="cpu")
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            raise ConfigError("resume", f"{stored} cannot be read ({_read_error(e)})", fix) from None
         try:
             strategy.load_state_dict(model, optimizer, state)
         except (RuntimeError, KeyError, ValueError) as e:
             raise ConfigError("resume", f"checkpoint {path} does not fit this model ({str(e).splitlines()[0]})",
                               "resume with the model config that wrote it") from None
+        for group, own in zip(optimizer.param_groups, hyper):
+            group.update(own)
         set_rng_state(trainer_state["rng"])
         return trainer_state
+
+    def _unreadable_fix(self, path: Path) -> str:
+        older = [p for p in Checkpointer(path.parent).checkpoints() if p.name < path.name]
+        previous = f"resume={older[-1]} (the previous checkpoint), " if older else ""
+        return f"move {path} away and use {previous}resume=auto, or start fresh (resume=null)"
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable (the directory entry), where the platform allows opening directories."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

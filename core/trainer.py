@@ -38,6 +38,7 @@ from core.model import ModelConfig, TransformerLM
 from core.optim import WarmupCosine, optimizer_factory, param_groups
 from core.precision import Precision
 from core.profiling import nvtx_range
+from core.resume import fingerprint
 
 # Set by a signal handler (SLURM's pre-emption warning) or `request_checkpoint_and_exit()`:
 # the loop saves a checkpoint at the next step boundary and returns with status "preempted".
@@ -211,13 +212,6 @@ def validate_batch(cfg: DictConfig, dp_size: int) -> int:
     return b // (accum * dp_size)
 
 
-def fingerprint(cfg: DictConfig) -> dict[str, Any]:
-    """What must match for a checkpoint to be resumable by this config."""
-    m = cfg.model
-    return {"model": {k: m[k] for k in ("d_model", "d_ff", "n_layers", "n_heads", "n_kv_heads", "vocab_size")},
-            "parallelism": cfg.parallelism._target_, "world_size": instantiate_mesh(cfg).world_size}
-
-
 def instantiate_mesh(cfg: DictConfig) -> ParallelMesh:
     return instantiate(cfg.mesh)
 
@@ -314,14 +308,18 @@ def _train_loop(run: Run) -> dict[str, Any]:
     tcfg = cfg.train
     resolved = OmegaConf.to_container(cfg, resolve=True)
     loggers = _build_loggers(cfg, mesh.is_main)
-    ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep_last, fingerprint(cfg))
+    ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep_last, fingerprint(cfg, mesh.world_size))
 
     start_step = 0
     resume_from = ckpt.resolve(cfg.resume)
     if resume_from is not None:
-        state = ckpt.load(resume_from, run.strategy, run.raw_model, run.optimizer)
+        state = ckpt.load(resume_from, run.strategy, run.raw_model, run.optimizer,
+                          OmegaConf.select(cfg, "resume_allow_changes", default=None) or [])
         start_step = int(state["step"])
         run.precision.load_state_dict(state.get("precision", {}))
+    elif cfg.resume == "auto" and mesh.is_main:
+        print(f"[scalelab] resume=auto: no checkpoint in {ckpt.dir}, starting fresh", flush=True)
+    earlier = _logged_before(run.run_dir, start_step) if resume_from is not None else _Logged()
 
     loggers.start(resolved, run.run_dir, tcfg.max_steps)
     if mesh.is_main:
@@ -335,7 +333,8 @@ def _train_loop(run: Run) -> dict[str, Any]:
     step_times: list[float] = []
     step_marks: list[tuple[Any, Any, bool]] = []  # (start, end, comm-timed) of each step of the current window
     history: list[dict[str, Any]] = []
-    first_loss = last_loss = val_loss = None
+    # a resumed run's summary covers the whole run: losses logged before the checkpoint count
+    first_loss, last_loss, val_loss = earlier.first_loss, earlier.last_loss, earlier.val_loss
     status = "ok"
     window_start, window_steps = time.perf_counter(), 0
     step = start_step
@@ -381,11 +380,17 @@ def _train_loop(run: Run) -> dict[str, Any]:
             if preempted or stop_here:
                 status = "preempted" if preempted else "stopped"
                 break
-        if status == "ok":
+        finished_before = step == start_step and resume_from is not None
+        if finished_before and mesh.is_main:
+            print(f"[scalelab] the checkpoint is at step {step}, train.max_steps={tcfg.max_steps}: the run was "
+                  "finished, nothing to train (its summary is kept)", flush=True)
+        if status == "ok" and not (finished_before and val_loss is not None):
             val_loss = run.evaluate()
             loggers.log({"val_loss": val_loss}, step)
-            if cfg.checkpoint.at_end or cfg.checkpoint.every:
-                ckpt.save(step, run.strategy, run.raw_model, run.optimizer, {"precision": run.precision.state_dict()})
+        if status == "ok" and (cfg.checkpoint.at_end or cfg.checkpoint.every) and not finished_before:
+            ckpt.save(step, run.strategy, run.raw_model, run.optimizer, {"precision": run.precision.state_dict()})
+        if step == start_step:  # no step ran here: the timings are the logged ones
+            step_times, history = earlier.step_times, earlier.history
         summary = _summary(run, status, step, first_loss, last_loss, val_loss, step_times, history)
         loggers.summary(summary)
         if mesh.is_main:
@@ -398,6 +403,37 @@ def _train_loop(run: Run) -> dict[str, Any]:
         return summary
     finally:
         loggers.finish()
+
+
+@dataclass
+class _Logged:
+    """What metrics.jsonl holds up to a step: the summary's losses and timings for a resumed run."""
+
+    first_loss: float | None = None
+    last_loss: float | None = None
+    val_loss: float | None = None
+    step_times: list[float] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _logged_before(run_dir: Path, step: int) -> _Logged:
+    """The records of `run_dir/metrics.jsonl` at or before `step` (a resumed run's earlier invocations)."""
+    path = run_dir / JsonlLogger.filename
+    records = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a crash
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
+                records.append(rec)
+    losses = [r for r in records if isinstance(r.get("loss"), (int, float))]
+    vals = [r["val_loss"] for r in records if isinstance(r.get("val_loss"), (int, float))]
+    return _Logged(losses[0]["loss"] if losses else None, losses[-1]["loss"] if losses else None,
+                   vals[-1] if vals else None,
+                   [r["step_time_ms"] / 1e3 for r in losses if isinstance(r.get("step_time_ms"), (int, float))],
+                   losses)
 
 
 def _summary(run: Run, status: str, step: int, first_loss, last_loss, val_loss, step_times, history) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from core.distributed.mesh import ParallelMesh, dist_env_present
 from core.errors import ConfigError
+from launchers.output_paths import check_output_paths
 
 
 def _job_context(cfg: DictConfig) -> dict[str, Any]:
@@ -89,6 +90,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
             cfg._sweep = {k: ctx[k] for k in ("group", "job_type", "name")}
         run_dir = Path(cfg.paths.run_dir)
         mesh = validate(cfg)
+        check_output_paths(cfg)
         if cfg.plan:
             from core.planner import plan
 
