@@ -74,6 +74,7 @@ def test_kill_during_resave_leaves_a_loadable_newest_checkpoint(window, tmp_path
 
 
 def _zero1_run(rank: int, world: int, run_dir: str, window: str | None) -> None:
+    from core.errors import ConfigError
     from core.trainer import train
 
     run_dir = Path(run_dir)
@@ -81,6 +82,14 @@ def _zero1_run(rank: int, world: int, run_dir: str, window: str | None) -> None:
         summary = train(compose_cfg(ZERO1 + ["resume=auto"], run_dir))
         assert summary["status"] == "ok" and summary["steps"] == 4, summary
         return
+    if window == "shard_missing":  # every rank reports the unreadable shards as one line
+        try:
+            train(compose_cfg(ZERO1 + ["resume=auto"], run_dir))
+        except ConfigError as e:
+            assert str(e).startswith("resume: ") and "step_000004/dcp cannot be read" in str(e), e
+            assert "\n" not in str(e) and "Fix: move" in str(e), e
+            return
+        raise AssertionError("resumed from a checkpoint with a missing shard")
     if rank == 0:
         _kill_inside_republish(window, run_dir / "killed")
     try:
@@ -94,7 +103,8 @@ def _zero1_run(rank: int, world: int, run_dir: str, window: str | None) -> None:
 @pytest.mark.slow
 def test_kill_during_sharded_resave_then_resume(tmp_path):
     """zero1 on 2 gloo ranks (DCP shards): rank 0 is killed after the old step_000004 left its name and before
-    the new one is renamed in; resume=auto then loads step 4 whole (trainer.pt and its shards)."""
+    the new one is renamed in; resume=auto then loads step 4 whole (trainer.pt and its shards). With a shard
+    deleted, every rank's error is one line naming the dcp directory."""
     window = "before_rename_in"
     with pytest.raises(AssertionError, match=r"exited abnormally: \[\(0, 9\)\]"):
         run_ranks(_zero1_run, 2, args=(str(tmp_path), window), timeout_s=30, join_group=False)
@@ -106,6 +116,8 @@ def test_kill_during_sharded_resave_then_resume(tmp_path):
     assert len(list((ckpt / "step_000004" / "dcp").glob("*.distcp"))) == 2
     assert read_metrics(tmp_path) == before  # resumed at step 4 = max_steps: nothing trained again
     assert read_summary(tmp_path)["final_loss"] == [r["loss"] for r in before if "loss" in r][-1]
+    (ckpt / "step_000004" / "dcp" / "__1_0.distcp").unlink()
+    run_ranks(_zero1_run, 2, args=(str(tmp_path), "shard_missing"), timeout_s=30, join_group=False)
 
 
 # ---- the resume fingerprint -------------------------------------------------------------------------------
