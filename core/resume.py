@@ -58,7 +58,8 @@ def check_allowed_keys(allowed: Iterable[str], current: dict[str, Any]) -> list[
         if not any(_covers(e, k) for k in current):
             groups = sorted({k.split(".")[0] for k in current})
             raise ConfigError("resume_allow_changes", f"{e!r} is not a key the resume check compares",
-                              f"name keys such as train.max_steps or optimizer.lr, or a whole group ({', '.join(groups)})")
+                              "name keys such as train.max_steps or optimizer.lr, or a whole group "
+                              f"({', '.join(groups)})")
     return entries
 
 

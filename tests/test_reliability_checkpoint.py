@@ -258,6 +258,16 @@ def test_full_disk_during_a_save(tmp_path, capsys, monkeypatch):
     assert "resumed at step 2" in capsys.readouterr().out and read_summary(tmp_path)["status"] == "ok"
 
 
+def _tmpfs(path: Path, options: str):
+    """Mount a tmpfs with `options` at `path` for the test (root only), or skip the test."""
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                                                   capture_output=True).returncode == 0
+    if not mounted:
+        pytest.skip(f"needs root with permission to mount a tmpfs ({options})")
+    yield path
+    subprocess.run(["umount", "--lazy", str(path)], check=True)  # lazy: a failed test may hold a file open
+
+
 @pytest.fixture
 def readonly_dir(tmp_path):
     """A directory no one can write to: permissions for a normal user; a read-only mount for root, whom
@@ -268,12 +278,25 @@ def readonly_dir(tmp_path):
         path.chmod(0o555)
         yield path
         path.chmod(0o755)
-        return
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)], capture_output=True)
-    if mount.returncode != 0:
-        pytest.skip("running as root without permission to mount: cannot make a read-only directory")
-    yield path
-    subprocess.run(["umount", str(path)], check=True)
+    else:
+        yield from _tmpfs(path, "ro,size=64k")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 4 MiB filesystem: the tiny model's first checkpoint (about 11 MB) does not fit."""
+    path = tmp_path / "small_disk"
+    path.mkdir()
+    yield from _tmpfs(path, "size=4m")
+
+
+def test_real_full_disk_is_named(small_disk, tmp_path, capsys):
+    """The same line when torch.save itself meets ENOSPC (it raises a RuntimeError, the OSError behind it)."""
+    with pytest.raises(SystemExit) as exc:
+        run_job(compose_cfg(COMMON + [f"checkpoint.dir={small_disk}/checkpoints"], tmp_path / "run"))
+    assert exc.value.code == 2
+    assert "no space left on the disk" in _one_line_error(capsys, "checkpoint.dir")
+    assert list((small_disk / "checkpoints").iterdir()) == []  # the partial .tmp_step_000002 is gone
 
 
 def test_readonly_checkpoint_dir_found_before_training(readonly_dir, tmp_path, capsys):
