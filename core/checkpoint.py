@@ -193,7 +193,7 @@ class Checkpointer:
                 tmp.mkdir()
             except OSError as e:
                 failure = e
-        problem = _from_main(self._describe(failure, step))
+        problem = self._shared_problem(failure, step, tmp)
         if problem is None:
             state = strategy.state_dict(model, optimizer)
             try:
@@ -209,14 +209,8 @@ class Checkpointer:
                     self._publish(tmp, final)
             except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
                 failure = e
-            problem = _from_main(self._describe(failure, step))
+            problem = self._shared_problem(failure, step, tmp)
         if problem is not None:
-            if _is_main():
-                _discard(tmp)
-                try:
-                    self.recover()  # an aside copy goes back if its replacement was not renamed in
-                except OSError:
-                    pass
             if failure is not None and _os_error(failure) is None:
                 raise failure  # not an I/O failure: a bug, with its traceback
             raise ConfigError("checkpoint.dir", problem[0], problem[1])
@@ -246,6 +240,17 @@ class Checkpointer:
             except OSError:  # cannot prune (permissions): keep it, the new checkpoint is safe
                 continue
             _discard(gone)
+
+    def _shared_problem(self, failure: BaseException | None, step: int, tmp: Path) -> tuple[str, str] | None:
+        """Rank 0's (problem, fix) for a failed save, on every rank, once rank 0 has removed the partial
+        checkpoint (and put back an old copy moved aside); None when nothing failed."""
+        if failure is not None and _is_main():
+            _discard(tmp)
+            try:
+                self.recover()
+            except OSError:  # the message still says what failed first
+                pass
+        return _from_main(self._describe(failure, step) if _is_main() else None)
 
     def _describe(self, failure: BaseException | None, step: int) -> tuple[str, str] | None:
         """(problem, fix) for a failed save, as every rank will report it; None when nothing failed."""
