@@ -39,6 +39,10 @@ from core.resume import check_resumable
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP, _ASIDE, _DISCARD = ".tmp_", ".old_", ".del_"  # prefixes of a checkpoint being written, replaced, pruned
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# Free bytes below which a failed write is put down to a full disk. DCP sends each rank's failure to the
+# others pickled, which drops the OSError torch.save's RuntimeError was raised from; a write that failed
+# for want of space has filled the disk to its last block.
+_NEARLY_FULL = 1 << 20
 
 
 def rng_state() -> dict[str, Any]:
@@ -119,6 +123,13 @@ def _read_error(exc: BaseException) -> str:
         first = next(iter(failures.values()))
         exc = first[0] if isinstance(first, tuple) else first
     return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+
+
+def _nearly_full(path: Path) -> bool:
+    try:
+        return shutil.disk_usage(path).free < _NEARLY_FULL
+    except OSError:
+        return False
 
 
 def _discard(path: Path) -> None:
@@ -211,9 +222,10 @@ class Checkpointer:
                 failure = e
             problem = self._shared_problem(failure, step, tmp)
         if problem is not None:
-            if failure is not None and _os_error(failure) is None:
+            text, fix, io_failure = problem
+            if failure is not None and not io_failure:
                 raise failure  # not an I/O failure: a bug, with its traceback
-            raise ConfigError("checkpoint.dir", problem[0], problem[1])
+            raise ConfigError("checkpoint.dir", text, fix)
         if _is_main():
             self._prune()
         _barrier()
@@ -241,33 +253,35 @@ class Checkpointer:
                 continue
             _discard(gone)
 
-    def _shared_problem(self, failure: BaseException | None, step: int, tmp: Path) -> tuple[str, str] | None:
-        """Rank 0's (problem, fix) for a failed save, on every rank, once rank 0 has removed the partial
-        checkpoint (and put back an old copy moved aside); None when nothing failed."""
+    def _shared_problem(self, failure: BaseException | None, step: int, tmp: Path) -> tuple[str, str, bool] | None:
+        """Rank 0's (problem, fix, whether an I/O failure) for a failed save, on every rank, once rank 0 has
+        removed the partial checkpoint (and put back an old copy moved aside); None when nothing failed."""
+        disk_full = False
         if failure is not None and _is_main():
+            disk_full = _nearly_full(self.dir)  # measured while the partial checkpoint still fills the disk
             _discard(tmp)
             try:
                 self.recover()
             except OSError:  # the message still says what failed first
                 pass
-        return _from_main(self._describe(failure, step) if _is_main() else None)
+        return _from_main(self._describe(failure, step, disk_full) if _is_main() else None)
 
-    def _describe(self, failure: BaseException | None, step: int) -> tuple[str, str] | None:
-        """(problem, fix) for a failed save, as every rank will report it; None when nothing failed."""
+    def _describe(self, failure: BaseException | None, step: int, disk_full: bool) -> tuple[str, str, bool] | None:
+        """(problem, fix, whether an I/O failure) for a failed save; None when nothing failed."""
         if failure is None:
             return None
         os_err = _os_error(failure)
         newest = self.latest()
         kept = f"; the newest checkpoint, {newest.name}, is intact" if newest else ""
-        if os_err is not None and os_err.errno in _NO_SPACE:
+        if (os_err is not None and os_err.errno in _NO_SPACE) or disk_full:
             return (f"no space left on the disk holding {self.dir} while saving step {step} (the partial "
                     f"checkpoint was removed{kept})", "free disk space, lower checkpoint.keep_last or set "
-                    "checkpoint.dir to a disk with room, then continue with resume=auto")
+                    "checkpoint.dir to a disk with room, then continue with resume=auto", True)
         reason = f"{type(os_err).__name__}: {os_err.strerror or os_err}" if os_err is not None else \
             f"{type(failure).__name__}: {(str(failure).strip().splitlines() or [''])[0]}"
         return (f"cannot write checkpoint step {step} to {self.dir} ({reason}; the partial checkpoint was "
                 f"removed{kept})", "make checkpoint.dir writable or point it at another directory, then continue "
-                "with resume=auto")
+                "with resume=auto", os_err is not None)
 
     # ---- load -------------------------------------------------------------------------
     def load(self, path: Path, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -276,11 +290,11 @@ class Checkpointer:
 
         The fingerprint is checked before any state is loaded (core/resume.py). Optimizer hyper-parameters
         are this run's (so an allowed change takes effect); moments and step counts are the checkpoint's."""
-        fix = self._unreadable_fix(path)
         try:
             trainer_state = torch.load(path / "trainer.pt", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unreadable file is the same one-line error
-            raise ConfigError("resume", f"{path}/trainer.pt cannot be read ({_read_error(e)})", fix) from None
+            raise ConfigError("resume", f"{path}/trainer.pt cannot be read ({_read_error(e)})",
+                              _unreadable_fix(path)) from None
         check_resumable(trainer_state.get("fingerprint", {}), self.fingerprint, allowed_changes, path)
         require(trainer_state.get("format") == strategy.checkpoint_format, "resume",
                 f"checkpoint {path} was written in {trainer_state.get('format')!r} format, but parallelism "
@@ -296,7 +310,7 @@ class Checkpointer:
             else:
                 state = torch.load(stored, weights_only=True, map_location="cpu")
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-            raise ConfigError("resume", f"{stored} cannot be read ({_read_error(e)})", fix) from None
+            raise ConfigError("resume", f"{stored} cannot be read ({_read_error(e)})", _unreadable_fix(path)) from None
         try:
             strategy.load_state_dict(model, optimizer, state)
         except (RuntimeError, KeyError, ValueError) as e:
@@ -307,10 +321,13 @@ class Checkpointer:
         set_rng_state(trainer_state["rng"])
         return trainer_state
 
-    def _unreadable_fix(self, path: Path) -> str:
-        older = [p for p in Checkpointer(path.parent).checkpoints() if p.name < path.name]
-        previous = f"resume={older[-1]} (the previous checkpoint), " if older else ""
-        return f"move {path} away and use {previous}resume=auto, or start fresh (resume=null)"
+
+
+def _unreadable_fix(path: Path) -> str:
+    older = [p for p in Checkpointer(path.parent).checkpoints() if p.name < path.name]
+    if older:
+        return f"move {path} away (resume=auto then continues from {older[-1].name}), or start fresh (resume=null)"
+    return f"move {path} away and start fresh (resume=null): there is no older checkpoint"
 
 
 def _fsync_dir(path: Path) -> None:

@@ -299,6 +299,26 @@ def test_real_full_disk_is_named(small_disk, tmp_path, capsys):
     assert list((small_disk / "checkpoints").iterdir()) == []  # the partial .tmp_step_000002 is gone
 
 
+def _zero1_on_full_disk(rank: int, world: int, run_dir: str, checkpoint_dir: str) -> None:
+    from core.errors import ConfigError
+    from core.trainer import train
+
+    try:
+        train(compose_cfg(ZERO1 + [f"checkpoint.dir={checkpoint_dir}"], Path(run_dir)))
+    except ConfigError as e:
+        assert str(e).startswith("checkpoint.dir: no space left on the disk") and "\n" not in str(e), e
+        return
+    raise AssertionError("a checkpoint larger than the disk was saved")
+
+
+@pytest.mark.slow
+def test_real_full_disk_during_a_sharded_save(small_disk, tmp_path):
+    """DCP meets ENOSPC (inside its CheckpointException): every rank raises the same line, nothing is left."""
+    run_ranks(_zero1_on_full_disk, 2, args=(str(tmp_path / "run"), str(small_disk / "checkpoints")), timeout_s=30,
+              join_group=False)
+    assert list((small_disk / "checkpoints").iterdir()) == []
+
+
 def test_readonly_checkpoint_dir_found_before_training(readonly_dir, tmp_path, capsys):
     run_dir = tmp_path / "run"
     with pytest.raises(SystemExit) as exc:
