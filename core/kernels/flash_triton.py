@@ -52,7 +52,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from core.errors import ConfigError
-from core.kernels._flash_common import autocast_dtype, check_inputs
+from core.kernels._flash_common import MAX_HEAD_DIM, autocast_dtype, check_inputs
 
 try:
     import triton
@@ -720,7 +720,8 @@ if HAVE_TRITON:
     _FUSED_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(64, 64, 8, 2), _cfg(32, 32, 4, 3), _cfg(32, 32, 4, 2)]
 
     def _prune(configs, named_args, **kwargs):
-        """Drop tiles that cannot fit (fp32 / d=128 at large tiles) or that dwarf the sequence."""
+        """Drop tiles that cannot fit (fp32 / d=128 at large tiles, 256-wide tiles past 32 x 64) or that dwarf
+        the sequence; where nothing is left, a 32 x 32 tile in one stage, which fits at every head dim."""
         d = named_args["BLOCK_D"] if "BLOCK_D" in named_args else kwargs.get("BLOCK_D", 64)
         fp32 = named_args["Q"].dtype == torch.float32
         n_min = min(named_args["n_q"], named_args["n_k"])
@@ -731,10 +732,12 @@ if HAVE_TRITON:
                 continue
             if fp32 and d >= 128 and c.num_stages > 2:
                 continue
+            if d >= 256 and (bm * bn > (32 * 32 if fp32 else 32 * 64) or c.num_stages > 2):
+                continue
             if n_min <= 256 and bm * bn > 64 * 64:
                 continue
             kept.append(c)
-        return kept or configs[-1:]
+        return kept or [_cfg(32, 32, 4, 1)]
 
     if os.environ.get("SCALELAB_FLASH_WIDE_TUNE", "0") == "1":  # exploration only: many more compiles
         _FWD_CONFIGS += [_cfg(128, 128, 8, 4), _cfg(128, 32, 4, 4), _cfg(128, 128, 8, 2), _cfg(128, 64, 4, 4)]
@@ -804,7 +807,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-_BLOCK_D = {16: 16, 32: 32, 64: 64, 96: 128, 128: 128}
+# the tile width for a head dim: the next power of two from 16 (tl.dot's smallest K); columns past the head dim are
+# masked on load and store
+_BLOCK_D = {d: max(16, 1 << (d - 1).bit_length()) for d in range(1, MAX_HEAD_DIM + 1)}
 
 
 _CHOSEN: dict[tuple, tuple[int, int, int, int]] = {}  # autotuner's pick per key, launched directly
@@ -1106,7 +1111,8 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Te
     causal_off = n_k - n_q if is_causal else 0
     seq_class = _seq_class(max(n_q, n_k), z * h)
     bm, bn, warps, stages = _PINNED.get("fwd") or ((32, 16, 4, 1) if INTERPRET else _SPLIT_TILES)
-    split_len = _fwd_split_len(q.device, z * h, n_q, n_k, bm, bn)
+    # the split forward's fixed tiles are sized for head dims up to 128
+    split_len = _fwd_split_len(q.device, z * h, n_q, n_k, bm, bn) if _BLOCK_D[d] <= 128 else 0
     if split_len:  # small grid: split-KV
         short = _cdiv(n_k, bn) < SHORT_ROW_TILES
         if short and "fwd" not in _PINNED and not INTERPRET:
@@ -1208,7 +1214,7 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
                 is_causal, d, block_d, seq_class, q.dtype, n_k=n_k)
         return dq, dk, dv
     atomic_dq = variant == BWD_ATOMIC_DQ
-    dq_tma = atomic_dq and _has_tma(q.device)
+    dq_tma = atomic_dq and _has_tma(q.device) and d % 4 == 0  # TMA: 16-byte rows of the fp32 dQ buffer
     if dq_tma:
         _ensure_scratch_allocator()
     # per row, (base-2 logsumexp, delta = rowsum(dO * O)), written by the first launch for the dK/dV pass
@@ -1372,8 +1378,8 @@ def _flash_native():
 class FlashAttentionTriton(torch.autograd.Function):
     """FlashAttention-2 in Triton: ``FlashAttentionTriton.apply(q, k, v, is_causal=False)``.
 
-    q (..., N_q, d), k and v (..., N_k, d), same leading dims; fp32 (tf32 dots), fp16, bf16;
-    d in 16, 32, 64, 96, 128. Saves q, k, v, out and one logsumexp (..., N_q) for backward.
+    q (..., N_q, d), k and v (..., N_k, d), same leading dims; fp32 (tf32 dots), fp16, bf16; any head dim
+    d up to 256 (padded to a power of two with masks). Saves q, k, v, out and one logsumexp (..., N_q).
     Backward (`_default_bwd`): the fused one-launch kernel on small grids, the warp-specialised Gluon kernel
     (atomic fp32 dQ) for long rows on Hopper, else two passes (no atomics).
     `FlashAttentionTritonAtomicDQ`: one pass, atomic fp32 dQ; `FlashAttentionTritonFusedBwd`: one
