@@ -375,7 +375,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
-        print("attention_bench: needs a CUDA GPU (run it on the device machine)", file=sys.stderr)
+        print("attention_bench: needs a CUDA GPU (run it on a machine with one)", file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = True   # fp32 rows: every impl may use TF32
     torch.backends.cudnn.allow_tf32 = True
