@@ -2,9 +2,11 @@
 
 Standalone (torch, triton, numpy only; no hydra), one command per table:
 
-    python3 experiments/attention_bench.py --preset leaderboard --out leaderboard.md
-    python3 experiments/attention_bench.py --preset sweep --out sweep.md
+    python3 experiments/attention_bench.py --preset leaderboard --check
+    python3 experiments/attention_bench.py --preset sweep
     python3 experiments/attention_bench.py --preset quick            # a few shapes, seconds
+
+The table is printed and written to `--out` (default `outputs/bench/attention_bench/<time>_<preset>.md`).
 
 Every implementation is timed in the same process, side by side, with
 `triton.testing.do_bench` (median, L2 flushed between calls): naive PyTorch, the same
@@ -49,6 +51,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
+
+from experiments.results import default_out, write_result  # noqa: E402
 
 ALL_IMPLS = ("naive", "compiled", "sdpa_flash", "sdpa_cudnn", "flash_torch", "flash_triton", "flash_triton_atomic",
              "flash_triton_fused")
@@ -283,7 +287,7 @@ def _median_result(runs: list[dict]) -> dict:
 def run_table(configs, impls, warmup, rep, ceilings, out_lines, label, graph: bool = False, rounds: int = 1):
     """configs: list of (b, h, s, d, dtype). Returns results[(cfg, impl)] = dict. With rounds > 1 every
     implementation of a row is measured once per round, the implementations in turn, and each time is the
-    median over the rounds (the host's speed drifts by tens of percent between seconds on the device VM)."""
+    median over the rounds (the host's speed drifts by tens of percent between seconds on a virtual machine)."""
     results = {}
     hdr = ("| dtype | B,H | S | D | impl | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s (% ceil) "
            "| fwd+bwd TFLOP/s (% ceil) | peak extra MiB |" + (" fwd graph ms | fwd+bwd graph ms |" if graph else ""))
@@ -366,11 +370,12 @@ def main(argv=None) -> int:
                     "kernels' GPU time without the host's launch path, which dominates B = H = 1 rows at S <= 4096")
     ap.add_argument("--rounds", type=int, default=1, help="measure every row this many times, the implementations "
                     "in turn, and report medians over the rounds")
-    ap.add_argument("--out", default=None, help="also write the markdown here")
+    ap.add_argument("--out", default=None, help="write the markdown here (default: "
+                    "outputs/bench/attention_bench/<time>_<preset>.md)")
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
-        print("attention_bench: needs a CUDA GPU (run it on the device machine)", file=sys.stderr)
+        print("attention_bench: needs a CUDA GPU (run it on a machine with one)", file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = True   # fp32 rows: every impl may use TF32
     torch.backends.cudnn.allow_tf32 = True
@@ -445,9 +450,8 @@ def main(argv=None) -> int:
         print("\n".join(out[-len(tuned_configs()) - 1:]), flush=True)
     out.append(f"\n(total bench time {time.time() - t0:.0f} s)")
     print(out[-1])
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(out) + "\n")
+    path = write_result(args.out or default_out("attention_bench", f"_{args.preset}.md"), "\n".join(out) + "\n")
+    print(f"written to {path}")
     return 0
 
 

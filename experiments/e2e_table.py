@@ -5,7 +5,8 @@
 Every model size x precision x {forward, forward_backward, train_step}: mean and standard
 deviation over timed steps after warm-up, synchronising after every step, B=4, T=512 by
 default, through the trainer's own benchmark mode (`core.benchmark.time_steps`). Out of
-memory is shown as such. Writes a markdown table to --out.
+memory is shown as such. Prints a markdown table and writes it to `--out` (default
+`outputs/bench/e2e_table/<time>.md`).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 from core.benchmark import MODES, time_steps  # noqa: E402
 from core.trainer import build  # noqa: E402
+from experiments.results import default_out, write_result  # noqa: E402
 
 
 def main() -> None:
@@ -36,8 +38,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--extra", default="", help="more overrides, comma separated (e.g. compile=true)")
-    ap.add_argument("--out", type=Path, default=Path("e2e_table.md"))
+    ap.add_argument("--out", type=Path, default=None, help="default: outputs/bench/e2e_table/<time>.md")
     args = ap.parse_args()
+    out = args.out or default_out("e2e_table")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     header = [f"device: {device} | torch {torch.__version__} | {time.strftime('%Y-%m-%d')} | B={args.batch} "
               f"T={args.seq} | warmup {args.warmup}, {args.steps} timed steps, synchronised each step",
@@ -51,7 +54,7 @@ def main() -> None:
         for prec in args.precisions.split(","):
             overrides = [f"model={size}", f"precision={prec}", "data=synthetic", "logger=none",
                          f"train.batch_size={args.batch}", f"data.seq_len={args.seq}", "optimizer.grad_clip=0",
-                         f"paths.run_dir={args.out.parent / 'e2e_runs'}", f"paths.output_root={args.out.parent}"]
+                         f"paths.run_dir={out.parent / 'e2e_runs'}", f"paths.output_root={out.parent}"]
             overrides += [o for o in args.extra.split(",") if o]
             with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
                 cfg = compose(config_name="config", overrides=overrides)
@@ -82,8 +85,9 @@ def main() -> None:
                 gc.collect()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-            args.out.write_text("\n".join(header + rows) + "\n")
+            write_result(out, "\n".join(header + rows) + "\n")  # after every point: a crash keeps the rows so far
     print("\n".join(header + rows))
+    print(f"written to {out}")
 
 
 if __name__ == "__main__":
