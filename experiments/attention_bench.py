@@ -5,6 +5,11 @@ Standalone (torch, triton, numpy only; no hydra), one command per table:
     python3 experiments/attention_bench.py --preset leaderboard --check
     python3 experiments/attention_bench.py --preset sweep
     python3 experiments/attention_bench.py --preset quick            # a few shapes, seconds
+    python3 experiments/attention_bench.py --preset training         # the shapes training runs use (below)
+
+The `training` preset is the grid a training run hands the kernel: B x H x S about 1M (B x S = 64K tokens,
+S = 512 to 16384, H = 16), head dims 64, 80 (the CS336 xl / 2.7B models), 96 and 128, bf16 (`--dtypes bf16,fp16`
+adds fp16), ours against SDPA's flash and cuDNN backends, medians over 3 interleaved rounds.
 
 The table is printed and written to `--out` (default `outputs/bench/attention_bench/<time>_<preset>.md`).
 
@@ -59,6 +64,11 @@ ALL_IMPLS = ("naive", "compiled", "sdpa_flash", "sdpa_cudnn", "flash_torch", "fl
 TRITON_CLASSES = {"flash_triton": "FlashAttentionTriton", "flash_triton_atomic": "FlashAttentionTritonAtomicDQ",
                   "flash_triton_fused": "FlashAttentionTritonFusedBwd"}
 FLASH_TORCH_MAX_SEQ = 1024
+# the training preset: a global batch of TRAINING_TOKENS tokens per step at each sequence length
+TRAINING_TOKENS, TRAINING_HEADS = 65536, 16
+TRAINING_SEQS = (512, 2048, 8192, 16384)
+TRAINING_DIMS = (64, 80, 96, 128)
+TRAINING_IMPLS = ("flash_triton", "sdpa_flash", "sdpa_cudnn")
 MODES = ("fwd", "bwd", "fwd_bwd")
 
 
@@ -357,11 +367,12 @@ def ratio_summary(results, impls, out_lines, graph: bool = False):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", choices=("leaderboard", "sweep", "quick"), default="quick")
-    ap.add_argument("--impls", default=",".join(ALL_IMPLS), help="comma-separated impl names")
+    ap.add_argument("--preset", choices=("leaderboard", "sweep", "quick", "training"), default="quick")
+    ap.add_argument("--impls", default=None, help="comma-separated impl names (default: all; for the training "
+                    "preset flash_triton, sdpa_flash, sdpa_cudnn)")
     ap.add_argument("--seq", default=None, help="comma-separated sequence lengths (sweep)")
     ap.add_argument("--dims", default=None, help="comma-separated head dims (sweep)")
-    ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--dtypes", default=None, help="default bf16,fp32 (training preset: bf16)")
     ap.add_argument("--warmup", type=int, default=None, help="do_bench warmup, ms")
     ap.add_argument("--rep", type=int, default=None, help="do_bench repetitions, ms")
     ap.add_argument("--check", action="store_true", help="first check flash_triton (and the backward variants "
@@ -380,8 +391,11 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True   # fp32 rows: every impl may use TF32
     torch.backends.cudnn.allow_tf32 = True
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    dtypes = [dt[x] for x in args.dtypes.split(",")]
-    impls = args.impls.split(",")
+    training = args.preset == "training"
+    dtypes = [dt[x] for x in (args.dtypes or ("bf16" if training else "bf16,fp32")).split(",")]
+    impls = (args.impls or (",".join(TRAINING_IMPLS) if training else ",".join(ALL_IMPLS))).split(",")
+    if training and args.rounds == 1:
+        args.rounds = 3
     t0 = time.time()
 
     out = [f"# attention benchmark ({args.preset})\n",
@@ -406,6 +420,11 @@ def main(argv=None) -> int:
         seqs = [int(x) for x in args.seq.split(",")] if args.seq else [2**i for i in range(7, 17)]
         dims = [int(x) for x in args.dims.split(",")] if args.dims else [16, 32, 64, 128]
         configs = [(1, 1, s, d, t) for t in dtypes for d in dims for s in seqs]
+    elif training:
+        warmup, rep = args.warmup or 10, args.rep or 60
+        seqs = [int(x) for x in args.seq.split(",")] if args.seq else list(TRAINING_SEQS)
+        dims = [int(x) for x in args.dims.split(",")] if args.dims else list(TRAINING_DIMS)
+        configs = [(TRAINING_TOKENS // s, TRAINING_HEADS, s, d, t) for t in dtypes for d in dims for s in seqs]
     else:
         warmup, rep = args.warmup or 10, args.rep or 40
         seqs = [int(x) for x in args.seq.split(",")] if args.seq else [1024, 4096]
