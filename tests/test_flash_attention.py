@@ -491,6 +491,13 @@ def test_bench_impls_on_cpu(monkeypatch):
             assert ft._PINNED == {"fused": (16, 16, 4, 1)}
     for g in grads[1:]:
         assert max((a - b).abs().max().item() for a, b in zip(g, grads[0])) < SAME_TOL
+    # grouped-query rows (2 query heads per KV head) and non-causal rows, against float64
+    q2 = torch.randn(1, 2, 40, 16, device=DEVICE)
+    k2, v2 = (torch.randn(1, 1, 40, 16, device=DEVICE) for _ in range(2))
+    for causal in (True, False):
+        out = bench.make_impl("flash_triton")(q2, k2, v2, causal)
+        ref, _ = reference_attention(q2, k2.expand(1, 2, 40, 16), v2.expand(1, 2, 40, 16), causal)
+        assert rel_err(out, ref) < TOL[torch.float32]
     with pytest.raises(ValueError, match="unknown impl"):
         bench.make_impl("flash_triton_split")
     if not CUDA:
