@@ -37,7 +37,7 @@ from core.metrics import (FlopCounter, memory_stats, model_flops_per_token, peak
 from core.model import ModelConfig, TransformerLM
 from core.optim import WarmupCosine, optimizer_factory, param_groups
 from core.precision import Precision
-from core.profiling import nvtx_range
+from core.nvtx import nvtx_range
 
 # Set by a signal handler (SLURM's pre-emption warning) or `request_checkpoint_and_exit()`:
 # the loop saves a checkpoint at the next step boundary and returns with status "preempted".
