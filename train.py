@@ -7,6 +7,7 @@ Examples:
 """
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
@@ -29,7 +30,11 @@ CONFIG_DIR, CONFIG_NAME = Path(__file__).resolve().parent / "conf", "config"
 def main(cfg: DictConfig):
     from launchers.job import run_job
 
-    return run_job(cfg)
+    try:
+        return run_job(cfg)
+    except Exception:  # not bad input (run_job exits with code 2 for that): a failure to debug
+        traceback.print_exc()  # the whole chain; Hydra's own report would keep only the last message
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":
