@@ -58,7 +58,7 @@ def composition_error(exc: Exception) -> ConfigError:
     if "Config search path:" in lines:  # Hydra appends where it looked; the options above are what matters
         lines = lines[:lines.index("Config search path:")]
     problem = lines[0].rstrip(".") if lines else type(exc).__name__
-    fix = " ".join(lines[1:]) or "see https://hydra.cc/docs/advanced/override_grammar/basic/"
+    fix = " ".join(lines[1:]) or "check the command line; python train.py --help lists the config groups and options"
     return ConfigError("command line", problem, fix)
 
 
