@@ -6,7 +6,9 @@ A config is checked at two points, both before a run directory exists:
   Hydra's own errors (an unknown group option, a misspelt key, a malformed override) become one
   `ConfigError` listing the valid options or the closest key, instead of Hydra's multi-line report.
 - `PreflightCallback.on_run_start` (`hydra.callbacks.preflight`): the composed config of a single run
-  passes the job's checks (`launchers.job.validate`); `plan=true` prints its plan and ends here.
+  passes the job's checks (`launchers.job.validate`, which starts with `check_complete`: every
+  mandatory value given, no group of settings replaced by a value); `plan=true` prints its plan and
+  ends here.
   Hydra calls it before it creates the run directory, so a refused or plan-only run writes nothing.
 
 A multirun's points are checked by the validated sweeper (launchers/sweeper.py) with the same checks.
@@ -14,13 +16,15 @@ A multirun's points are checked by the validated sweeper (launchers/sweeper.py) 
 from __future__ import annotations
 
 import difflib
+import functools
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from core.errors import ConfigError
@@ -85,6 +89,39 @@ def check_command_line(argv: list[str], config_dir: str, config_name: str) -> No
         raise composition_error(e) from None
 
 
+@functools.cache
+def _sections() -> dict[str, list[str]]:
+    """conf/config.yaml's groups of settings (train, benchmark, ...) and their keys."""
+    base = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "config.yaml")
+    return {str(k): [str(f) for f in v] for k, v in base.items() if isinstance(v, DictConfig) and k != "hydra"}
+
+
+def _missing_keys(node: Any, path: str = "") -> list[str]:
+    """Full keys whose value is `???` (OmegaConf's mandatory marker) in a plain container, outside Hydra's node."""
+    if isinstance(node, dict):
+        children = [(f"{path}.{k}" if path else str(k), v) for k, v in node.items() if path or k != "hydra"]
+    elif isinstance(node, list):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(node)]
+    else:
+        return []
+    missing = []
+    for key, value in children:
+        missing += [key] if value == "???" else _missing_keys(value, key)
+    return missing
+
+
+def check_complete(cfg: DictConfig) -> None:
+    """Every mandatory value (`???`) is given, and no group of settings was replaced by a value."""
+    missing = sorted(_missing_keys(OmegaConf.to_container(cfg, resolve=False)))  # no resolving: no side effects
+    if missing:
+        raise ConfigError(missing[0], "is required and has no value", f"set {missing[0]}=<value> on the command line")
+    for section, keys in _sections().items():
+        value = OmegaConf.select(cfg, section)
+        if section in cfg and not isinstance(value, DictConfig):
+            raise ConfigError(section, f"is a group of settings ({', '.join(keys)}), got {value!r}",
+                              f"set one of them, e.g. {section}.{keys[0]}=...")
+
+
 class PreflightCallback(Callback):
     """Checks a single run's config before Hydra creates the run directory; `plan=true` ends the run here."""
 
@@ -95,10 +132,10 @@ class PreflightCallback(Callback):
             validate(config)
             if config.plan:
                 plan_only(config)
-        except Exception as e:  # noqa: BLE001 - only bad input is reported here; anything else goes on
+        except Exception as e:  # noqa: BLE001 - only bad input is reported here
             error = config_error_in(e)
             if error is None:
-                raise
+                return  # not bad input: the job meets it again and reports it with its traceback
             exit_on(error)
         if config.plan:
             raise SystemExit(0)  # the plan was the whole run: Hydra must not create a run directory for it
