@@ -200,6 +200,8 @@ def _gather_floats(value: float, mesh: ParallelMesh) -> list[float]:
 def validate_batch(cfg: DictConfig, dp_size: int) -> int:
     """Per-rank micro-batch size; errors if the global batch does not split evenly."""
     b, accum = cfg.train.batch_size, cfg.train.grad_accum_steps
+    require(isinstance(b, int) and b >= 1, "train.batch_size", f"must be a positive number of sequences, got {b!r}",
+            "set train.batch_size=1 or more (the global batch: all ranks, all micro-steps)")
     require(isinstance(accum, int) and accum >= 1, "train.grad_accum_steps", f"must be >= 1, got {accum!r}",
             "set train.grad_accum_steps=1 or more")
     require(b % accum == 0, "train.grad_accum_steps",

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from core.distributed.mesh import ParallelMesh, dist_env_present
 from core.errors import ConfigError
+from launchers.preflight import check_complete
 
 
 def _job_context(cfg: DictConfig) -> dict[str, Any]:
@@ -63,9 +64,10 @@ def config_error_in(exc: BaseException) -> ConfigError | None:
 
 
 def validate(cfg: DictConfig, check_devices: bool = True) -> ParallelMesh:
-    """Every check that needs no process group: model, mesh vs devices, strategy vs mesh, batch split."""
+    """Every check that needs no process group: values given, model, mesh vs devices, strategy vs mesh, batch split."""
     from core.trainer import validate_batch
 
+    check_complete(cfg)
     instantiate(cfg.model)
     mesh: ParallelMesh = instantiate(cfg.mesh)
     if check_devices:
@@ -79,6 +81,16 @@ def validate(cfg: DictConfig, check_devices: bool = True) -> ParallelMesh:
     return mesh
 
 
+def plan_only(cfg: DictConfig) -> dict[str, Any]:
+    """`plan=true`: print the planner's prediction, refuse it if it does not fit, and return it."""
+    from core.planner import plan
+
+    prediction = plan(cfg)
+    print(prediction.format(), flush=True)
+    prediction.check_fits()
+    return prediction.to_dict()
+
+
 def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     """Run one job: resolve the config, validate, plan, then train on this process or on N ranks."""
     ctx = _job_context(cfg)
@@ -90,12 +102,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
         run_dir = Path(cfg.paths.run_dir)
         mesh = validate(cfg)
         if cfg.plan:
-            from core.planner import plan
-
-            prediction = plan(cfg)
-            print(prediction.format())
-            prediction.check_fits()
-            return prediction.to_dict()
+            return plan_only(cfg)
         from core.planner import plan_or_none
 
         prediction = plan_or_none(cfg)  # every real run logs the prediction; the summary keeps it
