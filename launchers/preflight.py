@@ -16,15 +16,13 @@ A multirun's points are checked by the validated sweeper (launchers/sweeper.py) 
 from __future__ import annotations
 
 import difflib
-import functools
 import sys
-from pathlib import Path
 from typing import Any, NoReturn
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from core.errors import ConfigError
@@ -87,39 +85,6 @@ def check_command_line(argv: list[str], config_dir: str, config_name: str) -> No
             compose(args.config_name or config_name, fixed)
     except (HydraException, OmegaConfBaseException) as e:
         raise composition_error(e) from None
-
-
-@functools.cache
-def _sections() -> dict[str, list[str]]:
-    """conf/config.yaml's groups of settings (train, benchmark, ...) and their keys."""
-    base = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "config.yaml")
-    return {str(k): [str(f) for f in v] for k, v in base.items() if isinstance(v, DictConfig) and k != "hydra"}
-
-
-def _missing_keys(node: Any, path: str = "") -> list[str]:
-    """Full keys whose value is `???` (OmegaConf's mandatory marker) in a plain container, outside Hydra's node."""
-    if isinstance(node, dict):
-        children = [(f"{path}.{k}" if path else str(k), v) for k, v in node.items() if path or k != "hydra"]
-    elif isinstance(node, list):
-        children = [(f"{path}[{i}]", v) for i, v in enumerate(node)]
-    else:
-        return []
-    missing = []
-    for key, value in children:
-        missing += [key] if value == "???" else _missing_keys(value, key)
-    return missing
-
-
-def check_complete(cfg: DictConfig) -> None:
-    """Every mandatory value (`???`) is given, and no group of settings was replaced by a value."""
-    missing = sorted(_missing_keys(OmegaConf.to_container(cfg, resolve=False)))  # no resolving: no side effects
-    if missing:
-        raise ConfigError(missing[0], "is required and has no value", f"set {missing[0]}=<value> on the command line")
-    for section, keys in _sections().items():
-        value = OmegaConf.select(cfg, section)
-        if section in cfg and not isinstance(value, DictConfig):
-            raise ConfigError(section, f"is a group of settings ({', '.join(keys)}), got {value!r}",
-                              f"set one of them, e.g. {section}.{keys[0]}=...")
 
 
 class PreflightCallback(Callback):
