@@ -129,7 +129,7 @@ def test_slurm_resources_follow_each_points_mesh(world, per_node, gpus, expected
     from launchers.slurm import ScalelabSlurmLauncher
 
     launcher = ScalelabSlurmLauncher(ranks_per_node=per_node, gpus=gpus, submitit_folder="x", timeout_min=1)
-    assert launcher._resources(world) == expected
+    assert launcher._resources(world, None) == expected
 
 
 def test_slurm_refuses_a_world_that_does_not_split_over_nodes():
@@ -137,4 +137,4 @@ def test_slurm_refuses_a_world_that_does_not_split_over_nodes():
     from launchers.slurm import ScalelabSlurmLauncher
 
     with pytest.raises(ConfigError, match="9 ranks do not split evenly over 2 nodes"):
-        ScalelabSlurmLauncher(ranks_per_node=8, gpus=True, submitit_folder="x")._resources(9)
+        ScalelabSlurmLauncher(ranks_per_node=8, gpus=True, submitit_folder="x")._resources(9, None)
