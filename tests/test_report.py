@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
-from experiments.report import collect, report
+from experiments.report import SweepReportCallback, collect, report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,6 +104,39 @@ def test_command_line(sweep: Path):
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert (sweep / "report.md").is_file() and "Sweep report" in r.stdout
+
+
+def test_a_sweep_with_unfinished_points_ends_with_status_1_listing_them(sweep: Path, capsys):
+    _job(sweep, "2_mesh=dp2,parallelism=fsdp2", ["mesh=dp2"], status="running")  # its job died without a word
+    _job(sweep, "3_mesh=dp2,parallelism=ddp_flat", ["mesh=dp2"], status="stopped", error=None)  # train.stop_at_step
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}})
+    with pytest.raises(SystemExit) as e:
+        SweepReportCallback().on_multirun_end(config=config)
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "error: 2 of 5 sweep points did not finish:" in err
+    failed = [line.strip() for line in err.splitlines() if line.startswith("  ")]
+    assert failed == ["2_mesh=dp2,parallelism=fsdp2: running",
+                      "10_mesh=dp2,parallelism=zero1: failed: RuntimeError: boom | with a pipe"]
+    assert (sweep / "report.md").is_file()  # the report is written first
+
+
+def test_a_sweep_whose_points_all_finished_ends_normally(sweep: Path):
+    (sweep / "10_mesh=dp2,parallelism=zero1" / "summary.json").write_text(json.dumps({"status": "ok"}))
+    SweepReportCallback().on_multirun_end(config=OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    assert (sweep / "report.md").is_file()
+
+
+@pytest.mark.slow
+def test_a_local_sweep_with_a_failed_point_exits_non_zero(tmp_path: Path):
+    r = subprocess.run([sys.executable, "train.py", "-m", "model=tiny", "train.max_steps=4", "train.log_every=1",
+                        "train.eval_every=0", "train.eval_batches=1", "optimizer.warmup_steps=0", "optimizer.lr=0.001,1e30",
+                        f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "error: 1 of 2 sweep points did not finish:" in r.stderr
+    failed = [line for line in r.stderr.splitlines() if line.startswith("  1_")]
+    assert len(failed) == 1 and "optimizer.lr=1e+30" in failed[0] and "the loss became nan" in failed[0], r.stderr[-2000:]
+    assert (tmp_path / "sweep" / "report.md").is_file()
 
 
 def test_validated_sweeper_lists_every_invalid_point_before_starting(tmp_path: Path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,13 @@ def test_a_job_that_ended_without_a_result_is_a_failed_point(cluster: Path, tmp_
     run_dir = tmp_path / "0_mesh=dp1"
     run_dir.mkdir()
     (run_dir / "summary.json").write_text(json.dumps({"status": "running", "plan": {"step_time_ms": 1.0}}))
-    ret = _outcome(job, ["mesh=dp1"], 0, run_dir, watcher)
+    outcome: dict = {}
+    waiter = threading.Thread(target=lambda: outcome.update(ret=_outcome(job, ["mesh=dp1"], 0, run_dir, watcher)),
+                              daemon=True)
+    waiter.start()
+    waiter.join(120)
+    assert "ret" in outcome, "the sweep still waits for a job that ended without a result"
+    ret = outcome["ret"]
     assert ret.return_value["status"] == "failed" and "Slurm job 31_0 ended TIMEOUT without a result" in \
         ret.return_value["error"]
     summary = json.loads((run_dir / "summary.json").read_text())
