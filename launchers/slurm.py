@@ -237,7 +237,7 @@ def _outcome(job: Any, overrides: list[str], idx: int, run_dir: Path, watcher: Q
     try:
         status = json.loads(summary.read_text()).get("status") if summary.is_file() else None
     except (OSError, ValueError):
-        status = None
+        status = "unreadable"  # left as it is: the report counts an unreadable summary as failed
     if status in (None, "running"):  # the job never recorded how it ended
         from core.trainer import write_summary
 
