@@ -244,7 +244,8 @@ def _outcome(job: Any, overrides: list[str], idx: int, run_dir: Path, watcher: Q
         write_summary(run_dir, {"status": "failed", "error": message, "overrides": overrides})
     print(f"[scalelab] slurm #{idx}: {message}", file=sys.stderr, flush=True)
     # like a failing local point: recorded as failed, and the sweep goes on to collect the others
-    return JobReturn(overrides=overrides, status=JobStatus.COMPLETED, _return_value={"status": "failed", "error": message})
+    return JobReturn(overrides=overrides, status=JobStatus.COMPLETED,
+                     _return_value={"status": "failed", "error": message})
 
 
 def _last_error_line(text: str) -> str:

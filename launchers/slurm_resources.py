@@ -103,7 +103,8 @@ def check_request(part: Partition, world: int, nodes: int, tasks_per_node: int, 
             raise ConfigError("hydra.launcher.ranks_per_node",
                               f"{tasks_per_node} tasks per node, but the nodes of {where} have at most "
                               f"{part.cpus_per_node} CPUs",
-                              f"set hydra.launcher.ranks_per_node={part.cpus_per_node} (more nodes) or use a smaller mesh")
+                              f"set hydra.launcher.ranks_per_node={part.cpus_per_node} (more nodes) "
+                              "or use a smaller mesh")
         raise ConfigError("hydra.launcher.cpus_per_task",
                           f"{tasks_per_node} tasks x {cpus_per_task} CPUs = {cpus} CPUs per node, but the nodes of "
                           f"{where} have at most {part.cpus_per_node} (the job would pend forever)",

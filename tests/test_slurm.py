@@ -46,7 +46,8 @@ SLURM_CPU = ["hydra/launcher=slurm", "hydra/sweeper=validated", "hydra.launcher.
 
 
 def _node_cpus() -> int:
-    return int(subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True, timeout=30).stdout.split()[0])
+    out = subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True, timeout=30).stdout
+    return int(out.split()[0])
 
 
 def _submitted_job_id(sweep: Path, deadline_s: float) -> tuple[str, Path]:
