@@ -2,11 +2,13 @@
 
 Examples:
     python train.py                                  # tiny model, embedded corpus, CPU
-    python train.py model=xl precision=bf16 attention_impl=sdpa compile=true benchmark=on
+    python train.py model=xl precision=bf16 attention_impl=sdpa compile=true benchmark.enabled=true
     python train.py -m mesh=dp1,dp2 parallelism=ddp_bucketed,zero1,fsdp model=small
 """
 import os
 import sys
+import traceback
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -17,18 +19,29 @@ from omegaconf import DictConfig
 if int(os.environ.get("RANK", "0")) > 0 and not any(a.startswith(("-m", "--multirun")) for a in sys.argv[1:]):
     sys.argv += [f"hydra.run.dir={os.environ.get('TMPDIR', '/tmp')}/scalelab_rank{os.environ['RANK']}",
                  "hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
-os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # worker errors must not be swallowed
-
 
 import core.config  # noqa: E402,F401 - registers the config resolvers before Hydra composes
+from core.errors import ConfigError  # noqa: E402
+
+CONFIG_DIR, CONFIG_NAME = Path(__file__).resolve().parent / "conf", "config"
 
 
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONFIG_DIR), config_name=CONFIG_NAME, version_base="1.3")
 def main(cfg: DictConfig):
     from launchers.job import run_job
 
-    return run_job(cfg)
+    try:
+        return run_job(cfg)
+    except Exception:  # not bad input (run_job exits with code 2 for that): a failure to debug
+        traceback.print_exc()  # the whole chain; Hydra's own report would keep only the last message
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":
+    from launchers.preflight import check_command_line, exit_on
+
+    try:  # Hydra would report a composition mistake in many lines, with exit code 1
+        check_command_line(sys.argv[1:], str(CONFIG_DIR), CONFIG_NAME)
+    except ConfigError as e:
+        exit_on(e)
     main()

@@ -19,7 +19,7 @@ from hydra.utils import get_object
 from torch import Tensor
 
 from core.errors import ConfigError
-from core.profiling import nvtx_range
+from core.nvtx import nvtx_range
 
 
 def repeat_kv(k: Tensor, n_heads: int) -> Tensor:

@@ -22,10 +22,13 @@ from core.errors import ConfigError, require
 class TokenSource:
     """A train and a validation array of token ids, sampled as random windows."""
 
-    def __init__(self, seq_len: int) -> None:
+    def __init__(self, seq_len: int, overfit_batches: int = 0) -> None:
         require(isinstance(seq_len, int) and seq_len > 0, "data.seq_len", f"must be a positive integer, got {seq_len!r}",
                 "set data.seq_len")
+        require(isinstance(overfit_batches, int) and overfit_batches >= 0, "data.overfit_batches",
+                f"must be 0 (off) or a number of batches, got {overfit_batches!r}", "set data.overfit_batches=0 or 1")
         self.seq_len = seq_len
+        self.overfit_batches = overfit_batches  # k > 0: training cycles through the same k batches
         self.train: np.ndarray | None = None
         self.val: np.ndarray | None = None
 
@@ -50,6 +53,8 @@ class TokenSource:
               rows: slice | None = None) -> tuple[Tensor, Tensor]:
         """The global batch number `step` of `split`, optionally only `rows` of it, on `device`."""
         data = self.train if split == "train" else self.val
+        if split == "train" and self.overfit_batches:
+            step %= self.overfit_batches
         n = len(data) - self.seq_len - 1
         require(n > 0, "data.seq_len", f"the {split} split ({len(data)} tokens) is shorter than one window",
                 "use a shorter data.seq_len or more data")
@@ -80,8 +85,8 @@ class CorpusData(TokenSource):
     """
 
     def __init__(self, seq_len: int, max_bytes: int = 4_000_000, val_fraction: float = 0.05,
-                 root: str | None = None) -> None:
-        super().__init__(seq_len)
+                 root: str | None = None, overfit_batches: int = 0) -> None:
+        super().__init__(seq_len, overfit_batches)
         self.max_bytes, self.val_fraction = max_bytes, val_fraction
         self.root = Path(root or sysconfig.get_paths()["stdlib"])
 
@@ -113,8 +118,9 @@ class CorpusData(TokenSource):
 class SyntheticData(TokenSource):
     """Uniform random tokens in [0, vocab_size) (shapes for benchmarks; nothing to learn)."""
 
-    def __init__(self, seq_len: int, vocab_size: int, num_tokens: int = 1 << 20, seed: int = 1234) -> None:
-        super().__init__(seq_len)
+    def __init__(self, seq_len: int, vocab_size: int, num_tokens: int = 1 << 20, seed: int = 1234,
+                 overfit_batches: int = 0) -> None:
+        super().__init__(seq_len, overfit_batches)
         self.vocab_size, self.num_tokens, self.seed = vocab_size, num_tokens, seed
 
     def load(self) -> "SyntheticData":
@@ -133,8 +139,8 @@ class TokenFileData(TokenSource):
     """A memory-mapped flat array of uint16/uint32 token ids (nanoGPT / CS336 `.bin` / `.npy`)."""
 
     def __init__(self, seq_len: int, path: str, val_path: str | None = None, val_fraction: float = 0.05,
-                 dtype: str = "uint16") -> None:
-        super().__init__(seq_len)
+                 dtype: str = "uint16", overfit_batches: int = 0) -> None:
+        super().__init__(seq_len, overfit_batches)
         require(dtype in ("uint16", "uint32"), "data.dtype", f"unsupported token dtype {dtype!r}",
                 "use data.dtype=uint16 or uint32")
         self.path, self.val_path, self.val_fraction, self.dtype = path, val_path, val_fraction, np.dtype(dtype)

@@ -153,8 +153,11 @@ class WandbLogger(Logger):
 
     def finish(self) -> None:
         if self.run is not None:
+            offline_dir = self.run.settings.sync_dir if self.run.settings.mode == "offline" else None
             self.run.finish()
             self.run = None
+            if offline_dir:  # nothing was uploaded: say where the run is and how to upload it
+                print(f"W&B offline run saved in {offline_dir}; upload it with: wandb sync {offline_dir}", flush=True)
 
 
 class LoggerGroup(Logger):

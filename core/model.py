@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from core.attention import AttentionImpl, SDPAAttention
 from core.errors import require
-from core.profiling import nvtx_range
+from core.nvtx import nvtx_range
 
 
 @dataclass

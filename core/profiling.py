@@ -1,34 +1,9 @@
-"""NVTX ranges that cost nothing unless profiling is on.
-
-`nvtx_range` is called from hot code (every block, inside attention), so when
-profiling is off it returns a shared null context instead of touching CUDA.
-"""
+"""Profile mode: peak memory, a torch.profiler trace, NVTX ranges and a CUDA memory snapshot of a run's steps."""
 from __future__ import annotations
-
-import contextlib
-from typing import ContextManager
 
 import torch
 
-_ENABLED = False
-_NULL = contextlib.nullcontext()
-
-
-def set_nvtx_enabled(enabled: bool) -> None:
-    """Turn NVTX annotation on (profile mode on a CUDA device) or off."""
-    global _ENABLED
-    _ENABLED = bool(enabled) and torch.cuda.is_available()
-
-
-def nvtx_enabled() -> bool:
-    return _ENABLED
-
-
-def nvtx_range(name: str) -> ContextManager:
-    """A `torch.cuda.nvtx.range(name)` when profiling, else a no-op context."""
-    if not _ENABLED or torch.compiler.is_compiling():
-        return _NULL
-    return torch.cuda.nvtx.range(name)
+from core.nvtx import nvtx_range, set_nvtx_enabled
 
 
 def run_profile(run) -> dict:

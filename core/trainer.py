@@ -37,7 +37,7 @@ from core.metrics import (FlopCounter, memory_stats, model_flops_per_token, peak
 from core.model import ModelConfig, TransformerLM
 from core.optim import WarmupCosine, optimizer_factory, param_groups
 from core.precision import Precision
-from core.profiling import nvtx_range
+from core.nvtx import nvtx_range
 from core.resume import fingerprint
 
 # Set by a signal handler (SLURM's pre-emption warning) or `request_checkpoint_and_exit()`:
@@ -201,6 +201,8 @@ def _gather_floats(value: float, mesh: ParallelMesh) -> list[float]:
 def validate_batch(cfg: DictConfig, dp_size: int) -> int:
     """Per-rank micro-batch size; errors if the global batch does not split evenly."""
     b, accum = cfg.train.batch_size, cfg.train.grad_accum_steps
+    require(isinstance(b, int) and b >= 1, "train.batch_size", f"must be a positive number of sequences, got {b!r}",
+            "set train.batch_size=1 or more (the global batch: all ranks, all micro-steps)")
     require(isinstance(accum, int) and accum >= 1, "train.grad_accum_steps", f"must be >= 1, got {accum!r}",
             "set train.grad_accum_steps=1 or more")
     require(b % accum == 0, "train.grad_accum_steps",

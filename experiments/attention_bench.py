@@ -2,9 +2,17 @@
 
 Standalone (torch, triton, numpy only; no hydra), one command per table:
 
-    python3 experiments/attention_bench.py --preset leaderboard --out leaderboard.md
-    python3 experiments/attention_bench.py --preset sweep --out sweep.md
+    python3 experiments/attention_bench.py --preset leaderboard --check
+    python3 experiments/attention_bench.py --preset sweep
     python3 experiments/attention_bench.py --preset quick            # a few shapes, seconds
+    python3 experiments/attention_bench.py --preset training         # the shapes training runs use (below)
+
+The `training` preset is the grid a training run hands the kernel: B x H x S about 1M (B x S = 64K tokens,
+S = 512 to 16384, H = 16), head dims 64, 80 (the CS336 xl / 2.7B models), 96 and 128, bf16 (`--dtypes bf16,fp16`
+adds fp16; `--causal both` adds non-causal rows; `--gqa` adds grouped-query rows, 4 query heads per KV head), ours
+against SDPA's flash and cuDNN backends, medians over 3 interleaved rounds.
+
+The table is printed and written to `--out` (default `outputs/bench/attention_bench/<time>_<preset>.md`).
 
 Every implementation is timed in the same process, side by side, with
 `triton.testing.do_bench` (median, L2 flushed between calls): naive PyTorch, the same
@@ -41,6 +49,7 @@ import math
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,11 +59,34 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from experiments.results import default_out, write_result  # noqa: E402
+
+
+class Shape(NamedTuple):
+    """One row of a table: q is (b, h, s, d); k and v have kv_heads heads (grouped-query attention) or h."""
+    b: int
+    h: int
+    s: int
+    d: int
+    dtype: torch.dtype
+    causal: bool = True
+    kv_heads: int = 0  # 0: as many as q
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.h
+
 ALL_IMPLS = ("naive", "compiled", "sdpa_flash", "sdpa_cudnn", "flash_torch", "flash_triton", "flash_triton_atomic",
              "flash_triton_fused")
 TRITON_CLASSES = {"flash_triton": "FlashAttentionTriton", "flash_triton_atomic": "FlashAttentionTritonAtomicDQ",
                   "flash_triton_fused": "FlashAttentionTritonFusedBwd"}
 FLASH_TORCH_MAX_SEQ = 1024
+# the training preset: a global batch of TRAINING_TOKENS tokens per step at each sequence length
+TRAINING_TOKENS, TRAINING_HEADS = 65536, 16
+TRAINING_SEQS = (512, 2048, 8192, 16384)
+TRAINING_DIMS = (64, 80, 96, 128)
+TRAINING_IMPLS = ("flash_triton", "sdpa_flash", "sdpa_cudnn")
+TRAINING_GQA = 4  # --gqa: 4 query heads per KV head
 MODES = ("fwd", "bwd", "fwd_bwd")
 
 
@@ -71,30 +103,42 @@ def naive_attention(q, k, v, is_causal=True):
 _compiled = None
 
 
+def _expanding_kv(fn):
+    """fn(q, k, v, causal) for a kernel without grouped-query attention of its own: k and v expanded to q's heads
+    first, as the model's `KernelAttention` does (the copy is part of what a training step pays)."""
+    def run(q, k, v, causal=True):
+        if k.shape[1] != q.shape[1]:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return fn(q, k, v, causal)
+    return run
+
+
 def make_impl(name: str):
-    """Map an impl name to fn(q, k, v) -> out, or raise NotImplementedError if it cannot run."""
+    """Map an impl name to fn(q, k, v, causal=True) -> out (k, v may have fewer heads than q), or raise
+    NotImplementedError if it cannot run."""
     global _compiled
     base, _, spec = name.partition("@")
     if base == "naive":
-        return lambda q, k, v: naive_attention(q, k, v, True)
+        return _expanding_kv(naive_attention)
     if base == "compiled":
         if _compiled is None:
             # the bwd timing replays one graph (retain_graph=True): no donated buffers
             import torch._functorch.config as functorch_config
             functorch_config.donated_buffer = False
             _compiled = torch.compile(naive_attention, dynamic=True)
-        return lambda q, k, v: _compiled(q, k, v, True)
+        return _expanding_kv(lambda q, k, v, causal: _compiled(q, k, v, causal))
     if base in ("sdpa_flash", "sdpa_cudnn"):
         from torch.nn.attention import SDPBackend, sdpa_kernel
         backend = SDPBackend.FLASH_ATTENTION if base == "sdpa_flash" else SDPBackend.CUDNN_ATTENTION
 
-        def sdpa(q, k, v):
+        def sdpa(q, k, v, causal=True):
             with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
         return sdpa
     if base == "flash_torch":
         from core.kernels.flash_torch import FlashAttentionTorch
-        return lambda q, k, v: FlashAttentionTorch.apply(q, k, v, True)
+        return _expanding_kv(FlashAttentionTorch.apply)
     if base in TRITON_CLASSES:  # _atomic: one-pass backward, atomic fp32 dQ; _fused: one fused bwd launch
         from core.kernels import flash_triton as ft
         pins = {}
@@ -112,18 +156,18 @@ def make_impl(name: str):
         pinned = {n: tuple(c) for n, c in pins.items()}
         apply = getattr(ft, TRITON_CLASSES[base]).apply
 
-        def fa(q, k, v):
+        def fa(q, k, v, causal):
             if ft._PINNED != pinned:  # variants share the process: re-pin only when it changed
                 ft.pin_configs(**pins)
             ft.GLUON_DKDV, ft.GLUON_WS, ft.NATIVE_NODE, ft.FWD_MERGE_IN_KERNEL = gluon, ws, native, merge
-            return apply(q, k, v, True)
-        return fa
+            return apply(q, k, v, causal)
+        return _expanding_kv(fa)
     raise ValueError(f"unknown impl {name!r}: use one of {', '.join(ALL_IMPLS)} (flash_triton@..., "
                      "flash_triton_fused@fused=... for pinned tiles)")
 
 
-def attn_flops(b: int, h: int, s: int, d: int, mode: str) -> float:
-    fwd = 4 * b * h * s * s * d / 2  # causal: half the score matrix
+def attn_flops(b: int, h: int, s: int, d: int, mode: str, causal: bool = True) -> float:
+    fwd = 4 * b * h * s * s * d / (2 if causal else 1)  # causal: half the score matrix
     return fwd * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
 
 
@@ -152,9 +196,14 @@ def graph_ms(step, warmup: int, rep: int) -> float:
     return do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
 
 
-def _measure(fn, res: dict, b, h, s, d, dtype, warmup, rep, graph: bool = False) -> None:
-    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+def _measure(fn_causal, res: dict, shape: Shape, warmup, rep, graph: bool = False) -> None:
+    b, h, s, d, dtype = shape[:5]
+    q = torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, shape.kv, s, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
     do = torch.randn(b, h, s, d, device="cuda", dtype=dtype)
+
+    def fn(q, k, v):
+        return fn_causal(q, k, v, shape.causal)
     fn(q, k, v).backward(do)  # compile / autotune outside the timings
     q.grad = k.grad = v.grad = None
     torch.cuda.synchronize()
@@ -183,12 +232,12 @@ def _measure(fn, res: dict, b, h, s, d, dtype, warmup, rep, graph: bool = False)
             print(f"  (no CUDA graph: {str(e).splitlines()[0][:80]})", flush=True)
 
 
-def bench_one(impl: str, fn, b, h, s, d, dtype, warmup, rep, graph: bool = False) -> dict:
+def bench_one(impl: str, fn, shape: Shape, warmup, rep, graph: bool = False) -> dict:
     """Times (ms) for fwd, bwd, fwd_bwd (and with graph, fwd_graph and fwd_bwd_graph: CUDA-graph replays)
     and the peak extra memory (MiB) of one fwd+bwd."""
     res: dict = {}
     try:
-        _measure(fn, res, b, h, s, d, dtype, warmup, rep, graph)
+        _measure(fn, res, shape, warmup, rep, graph)
     except torch.cuda.OutOfMemoryError:
         res["oom"] = True
     except (RuntimeError, NotImplementedError, ValueError) as e:  # e.g. a backend that refuses the shape
@@ -281,15 +330,16 @@ def _median_result(runs: list[dict]) -> dict:
 
 
 def run_table(configs, impls, warmup, rep, ceilings, out_lines, label, graph: bool = False, rounds: int = 1):
-    """configs: list of (b, h, s, d, dtype). Returns results[(cfg, impl)] = dict. With rounds > 1 every
+    """configs: list of Shape. Returns results[(shape, impl)] = dict. With rounds > 1 every
     implementation of a row is measured once per round, the implementations in turn, and each time is the
-    median over the rounds (the host's speed drifts by tens of percent between seconds on the device VM)."""
+    median over the rounds (the host's speed drifts by tens of percent between seconds on a virtual machine)."""
     results = {}
-    hdr = ("| dtype | B,H | S | D | impl | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s (% ceil) "
+    hdr = ("| dtype | B,H | KV | S | D | causal | impl | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s (% ceil) "
            "| fwd+bwd TFLOP/s (% ceil) | peak extra MiB |" + (" fwd graph ms | fwd+bwd graph ms |" if graph else ""))
-    out_lines += [f"\n### {label}\n", hdr, "|" + "---|" * (13 if graph else 11)]
+    out_lines += [f"\n### {label}\n", hdr, "|" + "---|" * (15 if graph else 13)]
     print("\n".join(out_lines[-3:]), flush=True)
-    for (b, h, s, d, dtype) in configs:
+    for shape in configs:
+        b, h, s, d, dtype = shape[:5]
         ceil = ceilings[dtype]
         row_impls = [i for i in impls if not (i.partition("@")[0] == "flash_torch" and s > FLASH_TORCH_MAX_SEQ)]
         runs: dict[str, list] = {impl: [] for impl in row_impls}
@@ -298,21 +348,21 @@ def run_table(configs, impls, warmup, rep, ceilings, out_lines, label, graph: bo
                 if impl.partition("@")[0].startswith("sdpa") and dtype == torch.float32:
                     runs[impl].append({"error": "backend has no fp32"})
                 else:
-                    runs[impl].append(bench_one(impl, make_impl(impl), b, h, s, d, dtype, warmup, rep, graph))
+                    runs[impl].append(bench_one(impl, make_impl(impl), shape, warmup, rep, graph))
         for impl in row_impls:
             r = _median_result(runs[impl])
-            results[(b, h, s, d, dtype, impl)] = r
+            results[(shape, impl)] = r
 
             def tf(mode):
                 if mode not in r:
                     return "-"
-                t = attn_flops(b, h, s, d, mode) / (r[mode] * 1e-3) / 1e12
+                t = attn_flops(b, h, s, d, mode, shape.causal) / (r[mode] * 1e-3) / 1e12
                 return f"{t:.0f} ({100 * t / ceil:.0f}%)"
             mem = f"{r['mem_mib']:.0f}" if "mem_mib" in r and not r.get("oom") and "error" not in r else \
                 ("OOM" if r.get("oom") else "n/a")
             if "error" in r and "fp32" not in r["error"]:
                 print(f"  {impl} S={s} D={d}: {r['error']}", flush=True)
-            line = (f"| {str(dtype)[6:]} | {b},{h} | {s} | {d} | {impl} | {fmt_ms(r, 'fwd')} | {fmt_ms(r, 'bwd')} | "
+            line = (f"| {str(dtype)[6:]} | {b},{h} | {shape.kv} | {s} | {d} | {'yes' if shape.causal else 'no'} | {impl} | {fmt_ms(r, 'fwd')} | {fmt_ms(r, 'bwd')} | "
                     f"{fmt_ms(r, 'fwd_bwd')} | {tf('fwd')} | {tf('fwd_bwd')} | {mem} |")
             if graph:
                 line += f" {fmt_ms(r, 'fwd_graph')} | {fmt_ms(r, 'fwd_bwd_graph')} |"
@@ -333,31 +383,37 @@ def ratio_summary(results, impls, out_lines, graph: bool = False):
     cols = [f"{names[m]} / {o}" for o in ("flash", "cuDNN") for m in modes]
     start = len(out_lines)
     out_lines += ["\n### ratios (time of flash_triton / time of the SDPA backend; < 1 means faster)\n",
-                  "| impl | dtype | B,H | S | D | " + " | ".join(cols) + " |",
-                  "|---|---|---|---|---|" + "---|" * len(cols)]
-    keys = sorted({k[:5] for k in results}, key=lambda k: (str(k[4]), k[3], k[2]))
-    for key in keys:
-        if key[4] == torch.float32:
+                  "| impl | dtype | B,H | KV | S | D | causal | " + " | ".join(cols) + " |",
+                  "|---|---|---|---|---|---|---|" + "---|" * len(cols)]
+    shapes = sorted({key[0] for key in results}, key=lambda sh: (str(sh.dtype), sh.kv, not sh.causal, sh.d, sh.s))
+    for shape in shapes:
+        if shape.dtype == torch.float32:
             continue
         for impl in ours:
-            r = results.get((*key, impl), {})
+            r = results.get((shape, impl), {})
             cells = []
             for other in ("sdpa_flash", "sdpa_cudnn"):
-                o = results.get((*key, other), {})
+                o = results.get((shape, other), {})
                 for mode in modes:
                     cells.append(f"{r[mode] / o[mode]:.2f}" if mode in r and mode in o else "-")
-            b, h, s, d, dtype = key
-            out_lines.append(f"| {impl} | {str(dtype)[6:]} | {b},{h} | {s} | {d} | " + " | ".join(cells) + " |")
+            b, h, s, d, dtype = shape[:5]
+            out_lines.append(f"| {impl} | {str(dtype)[6:]} | {b},{h} | {shape.kv} | {s} | {d} | "
+                             f"{'yes' if shape.causal else 'no'} | " + " | ".join(cells) + " |")
     print("\n".join(out_lines[start:]), flush=True)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", choices=("leaderboard", "sweep", "quick"), default="quick")
-    ap.add_argument("--impls", default=",".join(ALL_IMPLS), help="comma-separated impl names")
+    ap.add_argument("--preset", choices=("leaderboard", "sweep", "quick", "training"), default="quick")
+    ap.add_argument("--impls", default=None, help="comma-separated impl names (default: all; for the training "
+                    "preset flash_triton, sdpa_flash, sdpa_cudnn)")
     ap.add_argument("--seq", default=None, help="comma-separated sequence lengths (sweep)")
     ap.add_argument("--dims", default=None, help="comma-separated head dims (sweep)")
-    ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--causal", choices=("yes", "no", "both"), default="yes", help="training preset: causal rows, "
+                    "non-causal rows, or both")
+    ap.add_argument("--gqa", action="store_true", help="training preset: also grouped-query rows (4 query heads "
+                    "per KV head; SDPA with enable_gqa, ours with k and v expanded as the model does)")
+    ap.add_argument("--dtypes", default=None, help="default bf16,fp32 (training preset: bf16)")
     ap.add_argument("--warmup", type=int, default=None, help="do_bench warmup, ms")
     ap.add_argument("--rep", type=int, default=None, help="do_bench repetitions, ms")
     ap.add_argument("--check", action="store_true", help="first check flash_triton (and the backward variants "
@@ -366,17 +422,21 @@ def main(argv=None) -> int:
                     "kernels' GPU time without the host's launch path, which dominates B = H = 1 rows at S <= 4096")
     ap.add_argument("--rounds", type=int, default=1, help="measure every row this many times, the implementations "
                     "in turn, and report medians over the rounds")
-    ap.add_argument("--out", default=None, help="also write the markdown here")
+    ap.add_argument("--out", default=None, help="write the markdown here (default: "
+                    "outputs/bench/attention_bench/<time>_<preset>.md)")
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
-        print("attention_bench: needs a CUDA GPU (run it on the device machine)", file=sys.stderr)
+        print("attention_bench: needs a CUDA GPU (run it on a machine with one)", file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = True   # fp32 rows: every impl may use TF32
     torch.backends.cudnn.allow_tf32 = True
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    dtypes = [dt[x] for x in args.dtypes.split(",")]
-    impls = args.impls.split(",")
+    training = args.preset == "training"
+    dtypes = [dt[x] for x in (args.dtypes or ("bf16" if training else "bf16,fp32")).split(",")]
+    impls = (args.impls or (",".join(TRAINING_IMPLS) if training else ",".join(ALL_IMPLS))).split(",")
+    if training and args.rounds == 1:
+        args.rounds = 3
     t0 = time.time()
 
     out = [f"# attention benchmark ({args.preset})\n",
@@ -394,18 +454,26 @@ def main(argv=None) -> int:
 
     if args.preset == "leaderboard":
         warmup, rep = args.warmup or 50, args.rep or 300
-        configs = [(1, 16, 16384, 64, torch.bfloat16)]
+        configs = [Shape(1, 16, 16384, 64, torch.bfloat16)]
         dtypes = [torch.bfloat16]
     elif args.preset == "sweep":
         warmup, rep = args.warmup or 10, args.rep or 40
         seqs = [int(x) for x in args.seq.split(",")] if args.seq else [2**i for i in range(7, 17)]
         dims = [int(x) for x in args.dims.split(",")] if args.dims else [16, 32, 64, 128]
-        configs = [(1, 1, s, d, t) for t in dtypes for d in dims for s in seqs]
+        configs = [Shape(1, 1, s, d, t) for t in dtypes for d in dims for s in seqs]
+    elif training:
+        warmup, rep = args.warmup or 10, args.rep or 60
+        seqs = [int(x) for x in args.seq.split(",")] if args.seq else list(TRAINING_SEQS)
+        dims = [int(x) for x in args.dims.split(",")] if args.dims else list(TRAINING_DIMS)
+        causal = {"yes": (True,), "no": (False,), "both": (True, False)}[args.causal]
+        kv = (0, TRAINING_HEADS // TRAINING_GQA) if args.gqa else (0,)
+        configs = [Shape(TRAINING_TOKENS // s, TRAINING_HEADS, s, d, t, c, g) for t in dtypes for g in kv
+                   for c in causal for d in dims for s in seqs]
     else:
         warmup, rep = args.warmup or 10, args.rep or 40
         seqs = [int(x) for x in args.seq.split(",")] if args.seq else [1024, 4096]
         dims = [int(x) for x in args.dims.split(",")] if args.dims else [64]
-        configs = [(1, 1, s, d, t) for t in dtypes for d in dims for s in seqs]
+        configs = [Shape(1, 1, s, d, t) for t in dtypes for d in dims for s in seqs]
 
     ceilings = {t: matmul_ceiling(t, 25, 200) for t in dtypes}
     out += ["- matmul ceiling (8192^3, same run): "
@@ -445,9 +513,8 @@ def main(argv=None) -> int:
         print("\n".join(out[-len(tuned_configs()) - 1:]), flush=True)
     out.append(f"\n(total bench time {time.time() - t0:.0f} s)")
     print(out[-1])
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(out) + "\n")
+    path = write_result(args.out or default_out("attention_bench", f"_{args.preset}.md"), "\n".join(out) + "\n")
+    print(f"written to {path}")
     return 0
 
 

@@ -1,13 +1,14 @@
 """NCCL collective bandwidth on this machine, nccl-tests style (the planner's `intra_busbw_gbps` and
 `collective_latency_us` come from numbers like these).
 
-    python3 -m torch.distributed.run --standalone --nproc-per-node 2 experiments/collective_bench.py --out coll.md
+    python3 -m torch.distributed.run --standalone --nproc-per-node 2 experiments/collective_bench.py
 
 For each collective and message size: the median time of `--iters` back-to-back calls (after warm-up,
 CUDA events around each call), algorithm bandwidth (bytes / time) and bus bandwidth (algbw scaled by the
 collective's ring factor, as nccl-tests reports it: all-reduce 2(p-1)/p, all-gather and reduce-scatter
 (p-1)/p). The sizes include those of our strategies' calls on xl: 25 MiB DDP buckets, 13-52 MiB bf16
-FSDP layer gathers. Runs on the CPU (gloo) too, for a smoke test.
+FSDP layer gathers. Runs on the CPU (gloo) too, for a smoke test. Rank 0 prints the table and writes it to
+`--out` (default `outputs/bench/collective_bench/<time>.md`).
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.results import default_out, write_result  # noqa: E402
 
 MiB = 2**20
 
@@ -66,7 +69,8 @@ def main() -> None:
                     help="full-buffer sizes in MiB (comma-separated)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--out", default=None, help="also write the markdown table here (rank 0)")
+    ap.add_argument("--out", default=None, help="write the markdown table here (rank 0; default: "
+                    "outputs/bench/collective_bench/<time>.md)")
     a = ap.parse_args()
     from core.distributed.mesh import destroy_process_groups, init_process_group
 
@@ -93,8 +97,8 @@ def main() -> None:
         lines += [f"| {k} | {d} | {s:g} | {ms:.3f} | {al:.1f} | {bu:.1f} |" for k, d, s, ms, al, bu in rows]
         text = "\n".join(lines)
         print(text, flush=True)
-        if a.out:
-            Path(a.out).write_text(text + "\n")
+        path = write_result(a.out or default_out("collective_bench"), text + "\n")
+        print(f"written to {path}", flush=True)
     destroy_process_groups()
 
 

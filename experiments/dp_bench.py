@@ -1,6 +1,6 @@
 """Data-parallel benchmark: 1 GPU, then every strategy on N GPUs, side by side (CS336 sections 5-7).
 
-    python3 experiments/dp_bench.py --model xl --nproc 2 --out dp_bench.md        # the full run (~6-8 min, 2x H200)
+    python3 experiments/dp_bench.py --model xl --nproc 2                          # the full run (~6-8 min, 2x H200)
     python3 experiments/dp_bench.py --model small --nproc 2 --steps 5 --warmup 2  # quick check (~2 min)
     python3 experiments/dp_bench.py --strategies ddp_bucketed,zero1 \
         --variant ddp_bucketed:comm_dtype=bfloat16 \
@@ -21,7 +21,7 @@ environment variable for that row's worker processes only. `--env KEY=VALUE` (re
 every row (single-GPU baseline included). Rows are labelled `strategy[options]`. The targets table is
 computed from the default-configuration rows and repeated for the best row of each strategy.
 
-Per-GPU batch 4 x 512 tokens, bf16 autocast, fused AdamW (as shared/reference/dist_anchors.py).
+Per-GPU batch 4 x 512 tokens, bf16 autocast, fused AdamW (the same step as experiments/reference_step.py).
 Every configuration runs in fresh processes started through torch's elastic launch (launchers/local.py),
 warm-up steps first, then `--steps` back-to-back steps with no host synchronisation between them (as in
 training: work a strategy leaves in flight after the optimizer step, e.g. ZeRO-1's parameter gathers,
@@ -32,7 +32,8 @@ before those 3 steps; "with comm timer on" includes them: the timer holds each N
 finished it, and a work holds its tensors, so with FSDP it raises the peak (by 0.4-3.3 GiB on xl).
 `--repeat N` runs the row list N times round-robin; machines drift within minutes (torch FSDP2 measured 152
 then 174 ms on one host), so a ratio of medians over interleaved repeats is the one to trust.
-Prints and writes (`--out`) one markdown table plus the per-rank memory accounting of CS336 6a.
+Prints one markdown table plus the per-rank memory accounting of CS336 6a, and writes them to `--out`
+(default `outputs/bench/dp_bench/<time>.md`).
 No Hydra composition: the model and strategies are built directly from core.*.
 """
 from __future__ import annotations
@@ -45,6 +46,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.results import default_out, write_result  # noqa: E402
 
 GiB = 2**30
 STRATEGIES = {  # name -> (class path, kwargs)
@@ -310,7 +313,7 @@ def main() -> None:
                     help="run the whole row list this many times, round-robin (A B A B ...), and report each "
                          "row's median over the repeats with its min-max: drift of the machine hits every row")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu"])
-    ap.add_argument("--out", default="dp_bench.md")
+    ap.add_argument("--out", default=None, help="write the markdown here (default: outputs/bench/dp_bench/<time>.md)")
     a = ap.parse_args()
     if a.variant is None:  # the bf16-gradient rows (opt-in options of their strategies) belong to the full table
         a.variant = [parse_variant(v) for v in DEFAULT_VARIANTS] if a.device != "cpu" else []
@@ -417,8 +420,8 @@ def main() -> None:
         lines += [f"| {t} | {_fmt(v, '.3f')} | {'yes' if ok else 'NO'} |" for t, v, ok in checks(*bests)]
     text = "\n".join(lines) + "\n"
     print(text)
-    Path(a.out).write_text(text)
-    print(f"[dp_bench] written to {a.out} ({time.time() - t_all:.0f}s in all)")
+    path = write_result(a.out or default_out("dp_bench"), text)
+    print(f"[dp_bench] written to {path} ({time.time() - t_all:.0f}s in all)")
 
 
 if __name__ == "__main__":

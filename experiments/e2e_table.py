@@ -1,11 +1,17 @@
 """The CS336 end-to-end benchmark table (section 2.1.3), one command:
 
     python experiments/e2e_table.py [--sizes small,medium,large,xl,10b,leaderboard_8b] [--precisions fp32,bf16]
+    python experiments/e2e_table.py --sizes medium --precisions bf16 --seq 2048 --batch 8 --modes train_step \
+        --extra compile=true --attention sdpa,flash_triton     # our kernel end to end against SDPA
+
+With several `--attention` implementations each (size, precision, mode) row is measured for each of them in
+the same process, and a last table gives each one's time over the first one's.
 
 Every model size x precision x {forward, forward_backward, train_step}: mean and standard
 deviation over timed steps after warm-up, synchronising after every step, B=4, T=512 by
 default, through the trainer's own benchmark mode (`core.benchmark.time_steps`). Out of
-memory is shown as such. Writes a markdown table to --out.
+memory is shown as such. Prints a markdown table and writes it to `--out` (default
+`outputs/bench/e2e_table/<time>.md`).
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 from core.benchmark import MODES, time_steps  # noqa: E402
 from core.trainer import build  # noqa: E402
+from experiments.results import default_out, write_result  # noqa: E402
 
 
 def main() -> None:
@@ -36,54 +43,72 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--extra", default="", help="more overrides, comma separated (e.g. compile=true)")
-    ap.add_argument("--out", type=Path, default=Path("e2e_table.md"))
+    ap.add_argument("--attention", default="sdpa", help="attention_impl options, comma separated; the first is "
+                    "the baseline of the ratio table")
+    ap.add_argument("--out", type=Path, default=None, help="default: outputs/bench/e2e_table/<time>.md")
     args = ap.parse_args()
+    out = args.out or default_out("e2e_table")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     header = [f"device: {device} | torch {torch.__version__} | {time.strftime('%Y-%m-%d')} | B={args.batch} "
               f"T={args.seq} | warmup {args.warmup}, {args.steps} timed steps, synchronised each step",
               f"command: python experiments/e2e_table.py --sizes {args.sizes} --precisions {args.precisions} "
               f"--batch {args.batch} --seq {args.seq} --warmup {args.warmup} --steps {args.steps}"
-              + (f" --extra {args.extra}" if args.extra else ""), "",
-              "| model | params | precision | mode | mean ms | std ms | tok/s | MFU | peak GiB |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              + (f" --extra {args.extra}" if args.extra else "") + f" --attention {args.attention}", "",
+              "| model | params | precision | attention | mode | mean ms | std ms | tok/s | MFU | peak GiB |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     rows = []
-    for size in args.sizes.split(","):
-        for prec in args.precisions.split(","):
-            overrides = [f"model={size}", f"precision={prec}", "data=synthetic", "logger=none",
-                         f"train.batch_size={args.batch}", f"data.seq_len={args.seq}", "optimizer.grad_clip=0",
-                         f"paths.run_dir={args.out.parent / 'e2e_runs'}", f"paths.output_root={args.out.parent}"]
-            overrides += [o for o in args.extra.split(",") if o]
-            with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-                cfg = compose(config_name="config", overrides=overrides)
-            run = None
-            try:
-                run = build(cfg)
-                for mode in args.modes.split(","):
-                    try:
-                        ms = [t * 1e3 for t in time_steps(run, mode, args.warmup, args.steps)]
-                        mean, std = statistics.fmean(ms), statistics.stdev(ms) if len(ms) > 1 else 0.0
-                        share = 1 / 3 if mode == "forward" else 1.0
-                        mfu = run.flops.mfu(mean / 1e3)
-                        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-                        rows.append(f"| {size} | {run.model_cfg.num_params() / 1e9:.2f}B | {prec} | {mode} | {mean:.1f} | "
-                                    f"{std:.1f} | {run.tokens_per_step / (mean / 1e3):,.0f} | "
-                                    f"{(mfu * share if mfu is not None else float('nan')):.1%} | {peak:.1f} |")
-                    except torch.cuda.OutOfMemoryError:
-                        rows.append(f"| {size} | | {prec} | {mode} | OOM | | | | |")
-                        run.optimizer.zero_grad(set_to_none=True)
-                        gc.collect()
-                        torch.cuda.empty_cache()
-                    print(rows[-1], flush=True)
-            except torch.cuda.OutOfMemoryError:
-                rows.append(f"| {size} | | {prec} | (model + optimizer) | OOM | | | | |")
-                print(rows[-1], flush=True)
-            finally:
-                del run
-                gc.collect()
-                if torch.cuda.is_available():
+    means: dict[tuple, float] = {}
+    attentions = args.attention.split(",")
+    for size, prec, attn in ((z, p, a) for z in args.sizes.split(",") for p in args.precisions.split(",")
+                             for a in attentions):
+        overrides = [f"model={size}", f"precision={prec}", f"attention_impl={attn}", "data=synthetic", "logger=none",
+                     f"train.batch_size={args.batch}", f"data.seq_len={args.seq}", "optimizer.grad_clip=0",
+                     f"paths.run_dir={out.parent / 'e2e_runs'}", f"paths.output_root={out.parent}"]
+        overrides += [o for o in args.extra.split(",") if o]
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+        run = None
+        try:
+            run = build(cfg)
+            for mode in args.modes.split(","):
+                try:
+                    ms = [t * 1e3 for t in time_steps(run, mode, args.warmup, args.steps)]
+                    mean, std = statistics.fmean(ms), statistics.stdev(ms) if len(ms) > 1 else 0.0
+                    share = 1 / 3 if mode == "forward" else 1.0
+                    mfu = run.flops.mfu(mean / 1e3)
+                    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+                    means[(size, prec, mode, attn)] = mean
+                    rows.append(f"| {size} | {run.model_cfg.num_params() / 1e9:.2f}B | {prec} | {run.attention} | "
+                                f"{mode} | {mean:.1f} | "
+                                f"{std:.1f} | {run.tokens_per_step / (mean / 1e3):,.0f} | "
+                                f"{(mfu * share if mfu is not None else float('nan')):.1%} | {peak:.1f} |")
+                except torch.cuda.OutOfMemoryError:
+                    rows.append(f"| {size} | | {prec} | {attn} | {mode} | OOM | | | | |")
+                    run.optimizer.zero_grad(set_to_none=True)
+                    gc.collect()
                     torch.cuda.empty_cache()
-            args.out.write_text("\n".join(header + rows) + "\n")
+                print(rows[-1], flush=True)
+        except torch.cuda.OutOfMemoryError:
+            rows.append(f"| {size} | | {prec} | {attn} | (model + optimizer) | OOM | | | | |")
+            print(rows[-1], flush=True)
+        finally:
+            del run
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        write_result(out, "\n".join(header + rows) + "\n")  # after every point: a crash keeps the rows so far
+    if len(attentions) > 1:
+        base = attentions[0]
+        rows += ["", f"| model | precision | mode | " + " | ".join(f"{a} / {base}" for a in attentions[1:]) + " |",
+                 "|---|---|---|" + "---|" * (len(attentions) - 1)]
+        for (size, prec, mode, attn), ms in means.items():
+            if attn == base:
+                cells = [f"{means[(size, prec, mode, a)] / ms:.3f}" if (size, prec, mode, a) in means else "-"
+                         for a in attentions[1:]]
+                rows.append(f"| {size} | {prec} | {mode} | " + " | ".join(cells) + " |")
+        write_result(out, "\n".join(header + rows) + "\n")
     print("\n".join(header + rows))
+    print(f"written to {out}")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@ keeps up with the host, so the time per call is what the host spends enqueueing 
 
 Rows: SDPA's flash backend, an empty `torch.autograd.Function` (the floor of any Python autograd op),
 `flash_triton` (eager CUDA calls go through its C++ autograd node, core/kernels/flash_native.py) and
-`flash_triton` with that node switched off (the Python autograd.Function). At short sequences (B = H = 1) `triton.testing.do_bench` reads this host time, not the
-kernels' (docs/attention.md). The device VM's host time drifts by tens of percent within a minute, so the
-rows are measured round-robin and each keeps its best round.
+`flash_triton` with that node switched off (the Python autograd.Function). At short sequences (B = H = 1)
+`triton.testing.do_bench` reads this host time, not the kernels' (docs/attention.md). On a virtual machine the
+host time can drift by tens of percent within a minute, so the rows are measured round-robin and each keeps its
+best round. The table is printed and written to `--out`
+(default `outputs/bench/flash_host_cost/<time>.md`).
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from experiments.results import default_out, write_result
 
 
 class _Identity(torch.autograd.Function):
@@ -85,7 +89,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--calls", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="default: outputs/bench/flash_host_cost/<time>.md")
     ap.add_argument("--parts", action="store_true",
                     help="also time the pieces of flash_triton's host path (launch paths, wrapper, allocations)")
     args = ap.parse_args()
@@ -166,9 +170,8 @@ def main() -> None:
                      f"{fb:.1f} |")
     text = "\n".join(lines)
     print(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
+    path = write_result(args.out or default_out("flash_host_cost"), text + "\n")
+    print(f"written to {path}")
 
 
 if __name__ == "__main__":

@@ -235,12 +235,12 @@ def write_plots(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     return paths
 
 
-def report(sweep_dir: str | Path, quiet: bool = False) -> dict[str, Path]:
-    """Write report.md, report.csv and the plots into `sweep_dir`; return their paths."""
+def report(sweep_dir: str | Path, quiet: bool = False, rows: Optional[list[dict[str, Any]]] = None) -> dict[str, Path]:
+    """Write report.md, report.csv and the plots into `sweep_dir`; return their paths (`rows`: from collect)."""
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         raise ConfigError("report", f"{sweep_dir} is not a directory", "pass a sweep directory (hydra.sweep.dir)")
-    rows = collect(sweep_dir)
+    rows = collect(sweep_dir) if rows is None else rows
     if not rows:  # never replace a report (perhaps copied without its job directories) with an empty one
         raise ConfigError("report", f"no sweep points under {sweep_dir} (no job directory with a summary.json)",
                           "pass the directory a multirun wrote (hydra.sweep.dir); nothing there was changed")
@@ -258,16 +258,41 @@ def report(sweep_dir: str | Path, quiet: bool = False) -> dict[str, Path]:
     return out
 
 
+# A point finished when its run reached the end of its schedule, or the step `train.stop_at_step` asked for.
+FINISHED = ("ok", "stopped")
+
+
+def unfinished_points(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per point that did not finish: '<job dir>: <status>: <error>'."""
+    return [f"{r['job']}: {r['status']}" + (f": {r['error']}" if r["error"] else "")
+            for r in rows if r["status"] not in FINISHED]
+
+
 class SweepReportCallback(Callback):
-    """Hydra callback: write the report when a multirun ends (local or SLURM launcher)."""
+    """Hydra callback at the end of a multirun (local or SLURM launcher): write the report, then, if any
+    point did not finish (failed, killed, preempted, or still "running" because its job died), list them
+    one per line and end the process with exit status 1."""
 
     def on_multirun_end(self, config, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
-        if sweep_dir.is_dir():
-            try:
-                report(sweep_dir)
-            except Exception as e:  # noqa: BLE001 - a report failure must not hide the sweep's results
-                print(f"[scalelab] sweep report failed: {type(e).__name__}: {e}", file=sys.stderr)
+        if not sweep_dir.is_dir():
+            return
+        rows = collect(sweep_dir)
+        try:
+            report(sweep_dir, rows=rows)
+        except Exception as e:  # noqa: BLE001 - a report failure must not hide the sweep's results
+            print(f"[scalelab] sweep report failed: {type(e).__name__}: {e}", file=sys.stderr)
+        failed = unfinished_points(rows)
+        if failed:
+            print(f"error: {len(failed)} of {len(rows)} sweep points did not finish:", file=sys.stderr)
+            for line in failed:
+                print(f"  {_one_line(line)}", file=sys.stderr)
+            sys.stderr.flush()
+            raise SystemExit(1)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def main(argv: list[str] | None = None) -> int:

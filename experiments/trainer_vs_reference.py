@@ -1,15 +1,16 @@
-"""Our train.py step against the plain-PyTorch reference step, side by side in one run.
+"""Our train.py step against the plain-PyTorch reference step, side by side in one run (needs a CUDA GPU).
 
-    python experiments/trainer_vs_reference.py --reference-dir PATH_TO/shared/reference --size xl
+    python experiments/trainer_vs_reference.py --size xl
 
-1. The reference (../shared/reference/anchors_model.py's GPT, the loop of anchors.py):
-   bf16 autocast, fused AdamW, torch.compile, B=4, T=512, timed with do_bench (median).
+1. The reference (experiments/reference_step.py: a Transformer LM and training step in stock PyTorch,
+   independent of core/): bf16 autocast, fused AdamW, torch.compile, B=4, T=512, timed with do_bench (median).
 2. Ours: `python train.py model=xl precision=bf16 attention_impl=sdpa compile=true
    benchmark.enabled=true benchmark.mode=train_step` (experiment=xl_bf16_compiled_benchmark),
    per-step synchronised timing (median), in a subprocess so the two never share memory.
 3. An independent MFU: (6 N + 12 L d T) * tokens from the reference model's own parameter
    count, over our median time, over the datasheet peak, against the MFU train.py reports.
-Writes a markdown table to --out.
+Prints a markdown table and writes it to `--out` (default `outputs/bench/trainer_vs_reference/<time>.md`);
+our run's directory is beside it (`<out stem>_train_<size>/`).
 """
 from __future__ import annotations
 
@@ -23,32 +24,23 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from experiments.reference_step import SIZES, ReferenceLM, make_train_step  # noqa: E402
+from experiments.results import default_out, write_result  # noqa: E402
 
 
-def reference_step_ms(ref_dir: Path, size: str, batch: int, seq: int, steps: int) -> dict:
+def reference_step_ms(size: str, batch: int, seq: int, steps: int) -> dict:
     import torch
-    import torch.nn.functional as F
     from triton.testing import do_bench
 
-    sys.path.insert(0, str(ref_dir))
-    from anchors_model import GPT, SIZES  # the reference, unchanged
-
-    d, dff, layers, heads = SIZES[size]
-    vocab = 10000
+    shape = SIZES[size]
     torch.manual_seed(0)
-    model = GPT(vocab, d, dff, layers, heads, seq).cuda()
+    model = ReferenceLM(shape, max_seq_len=seq).cuda()
     n_params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    step_model = torch.compile(model)
-    x = torch.randint(0, vocab, (batch, seq), device="cuda")
-    y = torch.randint(0, vocab, (batch, seq), device="cuda")
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = F.cross_entropy(step_model(x).flatten(0, 1).float(), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    x = torch.randint(0, shape.vocab_size, (batch, seq), device="cuda")
+    y = torch.randint(0, shape.vocab_size, (batch, seq), device="cuda")
+    step = make_train_step(model, x, y, lr=1e-4, compile=True)
 
     for _ in range(5):
         step()
@@ -61,32 +53,31 @@ def reference_step_ms(ref_dir: Path, size: str, batch: int, seq: int, steps: int
         torch.cuda.synchronize()
         synced.append((time.perf_counter() - t0) * 1e3)
     return {"do_bench_median_ms": bench_ms, "synced_median_ms": statistics.median(synced), "params": n_params,
-            "d": d, "layers": layers}
+            "d": shape.d_model, "layers": shape.n_layers}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--reference-dir", type=Path, default=ROOT.parent / "shared" / "reference")
-    ap.add_argument("--size", default="xl")
+    ap.add_argument("--size", default="xl", choices=sorted(SIZES))
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--out", type=Path, default=Path("trainer_vs_reference.md"))
+    ap.add_argument("--out", type=Path, default=None, help="default: outputs/bench/trainer_vs_reference/<time>.md")
     ap.add_argument("--_reference-only", dest="reference_only", action="store_true")
     args = ap.parse_args()
     if args.reference_only:
-        print("REFERENCE " + json.dumps(reference_step_ms(args.reference_dir, args.size, args.batch, args.seq,
-                                                           args.steps)), flush=True)
+        print("REFERENCE " + json.dumps(reference_step_ms(args.size, args.batch, args.seq, args.steps)), flush=True)
         return
+    out = (args.out or default_out("trainer_vs_reference")).resolve()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    ref_proc = subprocess.run([sys.executable, __file__, "--_reference-only", "--reference-dir", str(args.reference_dir),
-                               "--size", args.size, "--batch", str(args.batch), "--seq", str(args.seq),
-                               "--steps", str(args.steps)], capture_output=True, text=True, env=env)
+    ref_proc = subprocess.run([sys.executable, __file__, "--_reference-only", "--size", args.size,
+                               "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)],
+                              capture_output=True, text=True, env=env)
     ref_line = [line for line in ref_proc.stdout.splitlines() if line.startswith("REFERENCE ")]
     if not ref_line:
         sys.exit(f"reference failed:\n{ref_proc.stdout[-2000:]}\n{ref_proc.stderr[-3000:]}")
     ref = json.loads(ref_line[0][len("REFERENCE "):])
-    run_dir = args.out.parent / f"ours_{args.size}"
+    run_dir = out.parent / f"{out.stem}_train_{args.size}"
     cmd = [sys.executable, str(ROOT / "train.py"), "experiment=xl_bf16_compiled_benchmark", f"model={args.size}",
            f"train.batch_size={args.batch}", f"data.seq_len={args.seq}", f"benchmark.steps={args.steps}",
            f"hydra.run.dir={run_dir}"]
@@ -108,7 +99,8 @@ def main() -> None:
         "",
         "| what | ms/step (median) | ratio ours/reference |",
         "|---|---|---|",
-        f"| reference (anchors_model GPT, compiled), do_bench | {ref['do_bench_median_ms']:.1f} | {ratio:.3f} |",
+        f"| reference (experiments/reference_step.py, compiled), do_bench | {ref['do_bench_median_ms']:.1f} | "
+        f"{ratio:.3f} |",
         f"| reference, synchronised per step | {ref['synced_median_ms']:.1f} | {ratio_synced:.3f} |",
         f"| ours: train.py benchmark train_step (mean {ours['mean_ms']:.1f} ± {ours['std_ms']:.1f}) | "
         f"{ours['median_ms']:.1f} | 1.000 |",
@@ -120,7 +112,8 @@ def main() -> None:
     ]
     text = "\n".join(lines)
     print(text, flush=True)
-    args.out.write_text(text + "\n")
+    write_result(out, text + "\n")
+    print(f"written to {out}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ status "failed" and the error; in a multirun the sweep goes on to the next point
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -63,10 +64,44 @@ def config_error_in(exc: BaseException) -> ConfigError | None:
     return None
 
 
+@functools.cache
+def _sections() -> dict[str, list[str]]:
+    """conf/config.yaml's groups of settings (train, benchmark, ...) and their keys."""
+    base = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "config.yaml")
+    return {str(k): [str(f) for f in v] for k, v in base.items() if isinstance(v, DictConfig) and k != "hydra"}
+
+
+def _missing_keys(node: Any, path: str = "") -> list[str]:
+    """Full keys whose value is `???` (OmegaConf's mandatory marker) in a plain container, outside Hydra's node."""
+    if isinstance(node, dict):
+        children = [(f"{path}.{k}" if path else str(k), v) for k, v in node.items() if path or k != "hydra"]
+    elif isinstance(node, list):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(node)]
+    else:
+        return []
+    missing = []
+    for key, value in children:
+        missing += [key] if value == "???" else _missing_keys(value, key)
+    return missing
+
+
+def check_complete(cfg: DictConfig) -> None:
+    """Every mandatory value (`???`) is given, and no group of settings was replaced by a value."""
+    missing = sorted(_missing_keys(OmegaConf.to_container(cfg, resolve=False)))  # no resolving: no side effects
+    if missing:
+        raise ConfigError(missing[0], "is required and has no value", f"set {missing[0]}=<value> on the command line")
+    for section, keys in _sections().items():
+        value = OmegaConf.select(cfg, section)
+        if section in cfg and not isinstance(value, DictConfig):
+            raise ConfigError(section, f"is a group of settings ({', '.join(keys)}), got {value!r}",
+                              f"set one of them, e.g. {section}.{keys[0]}=...")
+
+
 def validate(cfg: DictConfig, check_devices: bool = True) -> ParallelMesh:
-    """Every check that needs no process group: model, mesh vs devices, strategy vs mesh, batch split."""
+    """Every check that needs no process group: values given, model, mesh vs devices, strategy vs mesh, batch split."""
     from core.trainer import validate_batch
 
+    check_complete(cfg)
     instantiate(cfg.model)
     mesh: ParallelMesh = instantiate(cfg.mesh)
     if check_devices:
@@ -78,6 +113,16 @@ def validate(cfg: DictConfig, check_devices: bool = True) -> ParallelMesh:
                           "set activation_checkpointing=0 or use parallelism=torch_fsdp2")
     validate_batch(cfg, mesh.dp_size)
     return mesh
+
+
+def plan_only(cfg: DictConfig) -> dict[str, Any]:
+    """`plan=true`: print the planner's prediction, refuse it if it does not fit, and return it."""
+    from core.planner import plan
+
+    prediction = plan(cfg)
+    print(prediction.format(), flush=True)
+    prediction.check_fits()
+    return prediction.to_dict()
 
 
 def run_job(cfg: DictConfig) -> dict[str, Any] | None:
@@ -92,12 +137,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
         mesh = validate(cfg)
         check_output_paths(cfg)
         if cfg.plan:
-            from core.planner import plan
-
-            prediction = plan(cfg)
-            print(prediction.format())
-            prediction.check_fits()
-            return prediction.to_dict()
+            return plan_only(cfg)
         from core.planner import plan_or_none
 
         prediction = plan_or_none(cfg)  # every real run logs the prediction; the summary keeps it

@@ -7,7 +7,6 @@ exist yet is judged by its nearest existing ancestor (it will be created there).
 """
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from core.errors import ConfigError
+from launchers.preflight import exit_on
 
 
 def require_writable(path: str | Path, key: str) -> None:
@@ -39,11 +39,6 @@ def check_output_paths(cfg: DictConfig) -> None:
         require_writable(cfg.checkpoint.dir, "checkpoint.dir")
 
 
-def _refuse(error: ConfigError) -> None:
-    print(f"error: {error}", file=sys.stderr, flush=True)
-    raise SystemExit(2)  # not an Exception: Hydra would print its traceback
-
-
 class OutputDirCheck(Callback):
     """Hydra callback: the run or sweep directory must be writable before Hydra creates it."""
 
@@ -51,10 +46,10 @@ class OutputDirCheck(Callback):
         try:
             require_writable(str(config.hydra.run.dir), "hydra.run.dir")
         except ConfigError as e:
-            _refuse(e)
+            exit_on(e)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
             require_writable(str(config.hydra.sweep.dir), "hydra.sweep.dir")
         except ConfigError as e:
-            _refuse(e)
+            exit_on(e)

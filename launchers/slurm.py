@@ -12,21 +12,34 @@ Pre-emption and time limits: SLURM sends SIGUSR2 `signal_delay_s` before the lim
 (`core.trainer.request_checkpoint_and_exit`); the loop saves and returns status "preempted"; rank 0 then
 requeues the job (`scontrol requeue`) and every task exits without a result, so the sweep keeps waiting.
 The requeued job (SLURM_RESTART_COUNT > 0) runs with `resume=auto` and continues from the checkpoint.
+A job requeues itself at most `max_num_timeout` times (Slurm's restart count, whatever restarted it);
+after that it ends "preempted", its checkpoint kept, and the sweep counts the point as not finished.
+
+On the submitting machine: every point's resources are checked against the partition (`sinfo`) before
+anything is submitted (launchers/slurm_resources.py), and the wait for results follows job states
+without needing Slurm accounting (launchers/slurm_state.py). A job that ends without a result
+(cancelled, TIMEOUT, ...) gets `status: failed` and how it ended in its summary.json, and the sweep goes on.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Sequence
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
 
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, filter_overrides
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from core.errors import ConfigError, require
+from launchers.slurm_resources import Partition, check_request, choose_cpus_per_task, choose_gpus, read_partition
+from launchers.slurm_state import QueueStateWatcher, describe_end, watch
 
 _OWN_KEYS = ("ranks_per_node", "gpus", "preempt_signal")
 
@@ -65,6 +78,16 @@ def requeue_current_job() -> None:
     subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
 
 
+def restart_count() -> int:
+    """How many times Slurm has restarted (requeued) the job this task belongs to."""
+    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+
+
+def may_requeue(max_num_timeout: int) -> bool:
+    """Whether this job may requeue itself once more: it has been restarted fewer than `max_num_timeout` times."""
+    return restart_count() < int(max_num_timeout)
+
+
 def mesh_world_size(cfg) -> int:
     """World size of a composed config's mesh (product of the rank axes)."""
     from hydra.utils import instantiate
@@ -79,7 +102,7 @@ class ScalelabSlurmLauncher(SlurmLauncher):
         own = {k: params.pop(k, None) for k in _OWN_KEYS}
         super().__init__(**params)
         self.ranks_per_node = own["ranks_per_node"]
-        self.use_gpus = bool(own["gpus"])
+        self.gpus = own["gpus"]  # true, false or auto (GPUs when the partition's nodes have them)
         self.preempt_signal = own["preempt_signal"] or "USR2"
 
     # ---- inside every SLURM task ----------------------------------------------------------------
@@ -98,6 +121,9 @@ class ScalelabSlurmLauncher(SlurmLauncher):
         ret = super().__call__(overrides, job_dir_key, job_num, job_id, singleton_state)
         value = getattr(ret, "_return_value", None)
         if isinstance(value, dict) and value.get("status") == "preempted":
+            limit = int(self.params.get("max_num_timeout", 3))
+            if not may_requeue(limit):
+                return self._give_up_requeue(ret, value, limit)
             if int(os.environ.get("RANK", "0")) == 0:
                 requeue_current_job()
                 print("[scalelab] checkpoint saved; job requeued", file=sys.stderr, flush=True)
@@ -106,14 +132,28 @@ class ScalelabSlurmLauncher(SlurmLauncher):
             sys.exit(-1)
         return ret
 
+    @staticmethod
+    def _give_up_requeue(ret: JobReturn, value: dict, limit: int) -> JobReturn:
+        """The job has requeued itself `limit` times: end it here, preempted, with its checkpoint kept."""
+        run_dir = OmegaConf.select(ret.cfg, "paths.run_dir", default=None) if ret.cfg is not None else None
+        value["error"] = (f"not requeued: the job was requeued {restart_count()} time(s) already "
+                          f"(hydra.launcher.max_num_timeout={limit}); its checkpoints are in "
+                          f"{run_dir or ret.working_dir}: run the point again with resume=auto to continue")
+        if int(os.environ.get("RANK", "0")) == 0:
+            if run_dir:
+                from core.trainer import write_summary
+
+                write_summary(Path(run_dir), {"error": value["error"]})
+            print(f"[scalelab] {value['error']}", file=sys.stderr, flush=True)
+        return ret
+
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """Submitit's own requeue path (a timeout it signalled itself): resubmit with the same arguments."""
         return super().checkpoint(*args, **kwargs)
 
     # ---- on the submitting machine ------------------------------------------------------------------
-    def _resources(self, world: int) -> dict[str, Any]:
-        from core.errors import require
-
+    def _resources(self, world: int, partition: Optional[Partition]) -> dict[str, Any]:
+        """Nodes, tasks, CPUs and GPUs for a job of `world` ranks; ConfigError if the partition cannot hold it."""
         cap = max(1, int(self.ranks_per_node or self.params.get("gpus_per_node") or world))
         nodes = int(math.ceil(world / cap))
         require(world % nodes == 0, "hydra.launcher.ranks_per_node",
@@ -121,8 +161,13 @@ class ScalelabSlurmLauncher(SlurmLauncher):
                 "choose a mesh whose world size is a multiple of the node count (or change ranks_per_node)")
         per_node = world // nodes
         out: dict[str, Any] = {"tasks_per_node": per_node, "nodes": nodes}
-        if self.use_gpus:
+        cpus = choose_cpus_per_task(self.params.get("cpus_per_task"), per_node, partition)
+        if cpus is not None:
+            out["cpus_per_task"] = cpus
+        if choose_gpus(self.gpus, partition):
             out["gpus_per_node"] = per_node  # one GPU per task (hydra #2231)
+        if partition is not None:
+            check_request(partition, world, nodes, per_node, cpus, out.get("gpus_per_node"), self.params.get("mem_gb"))
         return out
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
@@ -142,19 +187,68 @@ class ScalelabSlurmLauncher(SlurmLauncher):
         os.makedirs(sweep_dir, exist_ok=True)
 
         groups: dict[int, list[int]] = {}
-        all_args = []
+        all_args, run_dirs = [], []
         for i, overrides in enumerate(job_overrides):
             idx = initial_job_idx + i
             cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
             world = mesh_world_size(cfg)
             groups.setdefault(world, []).append(i)
+            run_dirs.append(_job_dir(cfg, sweep_dir, idx))
             print(f"[scalelab] slurm #{idx} ({world} rank{'s' if world > 1 else ''}): "
                   f"{' '.join(filter_overrides(overrides))}", flush=True)
             all_args.append((list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()))
+        try:  # every group's request is checked before the first is submitted
+            partition = read_partition(self.params.get("partition"))
+            resources = {world: self._resources(world, partition) for world in groups}
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        watcher = QueueStateWatcher()
         jobs: dict[int, Any] = {}
         for world, members in groups.items():
             executor = submitit.AutoExecutor(cluster="slurm", **init_params)
-            executor.update_parameters(**{**common, **self._resources(world)})
+            executor.update_parameters(**{**common, **resources[world]})
             submitted = executor.map_array(self, *zip(*[all_args[i] for i in members]))
+            watch(submitted, watcher)
             jobs.update(zip(members, submitted))
-        return [jobs[i].results()[0] for i in range(len(job_overrides))]
+        return [_outcome(jobs[i], list(job_overrides[i]), initial_job_idx + i, run_dirs[i], watcher)
+                for i in range(len(job_overrides))]
+
+
+def _job_dir(cfg: DictConfig, sweep_dir: str, idx: int) -> Path:
+    """The output directory Hydra gives point `idx` (hydra.sweep.dir / hydra.sweep.subdir)."""
+    with open_dict(cfg.hydra.job):
+        cfg.hydra.job.num = idx
+    return Path(sweep_dir) / str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
+
+
+def _outcome(job: Any, overrides: list[str], idx: int, run_dir: Path, watcher: QueueStateWatcher) -> JobReturn:
+    """The point's result, or, for a job that ended without one, a failed point recorded in its summary.json."""
+    from submitit.core.utils import FailedJobError, UncompletedJobError
+
+    try:
+        return job.results()[0]
+    except FailedJobError as e:  # a task raised outside the Hydra job (its own errors are caught there)
+        message = f"Slurm job {job.job_id} failed: {_last_error_line(str(e))}"
+    except UncompletedJobError:
+        message = (f"Slurm job {job.job_id} {describe_end(watcher, job.job_id)} without a result "
+                   f"(log: {job.task(0).paths.stdout})")
+    summary = run_dir / "summary.json"
+    try:
+        status = json.loads(summary.read_text()).get("status") if summary.is_file() else None
+    except (OSError, ValueError):
+        status = "unreadable"  # left as it is: the report counts an unreadable summary as failed
+    if status in (None, "running"):  # the job never recorded how it ended
+        from core.trainer import write_summary
+
+        write_summary(run_dir, {"status": "failed", "error": message, "overrides": overrides})
+    print(f"[scalelab] slurm #{idx}: {message}", file=sys.stderr, flush=True)
+    # like a failing local point: recorded as failed, and the sweep goes on to collect the others
+    return JobReturn(overrides=overrides, status=JobStatus.COMPLETED,
+                     _return_value={"status": "failed", "error": message})
+
+
+def _last_error_line(text: str) -> str:
+    """The exception line of a traceback that submitit framed between lines of dashes."""
+    lines = [line.strip() for line in text.split("-" * 22)[1].splitlines() if line.strip()] if "-" * 22 in text else []
+    return lines[-1] if lines else text.strip().splitlines()[0]

@@ -12,9 +12,12 @@ from typing import Any, List, Optional
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from core.errors import ConfigError
+from launchers.preflight import composition_error
 
 
 def check_point(cfg: DictConfig, check_devices: bool = True) -> None:
@@ -44,6 +47,8 @@ def invalid_points(config_loader, config: DictConfig, job_overrides: List[List[s
             check_point(cfg, check_devices)
         except ConfigError as e:
             bad.append(f"#{i} {' '.join(overrides)}: {e}")
+        except (HydraException, OmegaConfBaseException) as e:  # a point Hydra cannot compose
+            bad.append(f"#{i} {' '.join(overrides)}: {composition_error(e)}")
         except Exception as e:  # noqa: BLE001 - a point that cannot even be composed is invalid too
             bad.append(f"#{i} {' '.join(overrides)}: {type(e).__name__}: {e}")
     return bad

@@ -72,3 +72,26 @@ def test_cli_prints_one_line_not_a_traceback(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: model.n_heads: 6 heads do not divide d_model=128")
+
+
+@pytest.mark.parametrize("overrides,key,hint", [
+    (["parallelism=zero2"], "parallelism", "did you mean zero1?"),                      # unknown group option
+    (["train.batchsize=4"], "train.batchsize", "did you mean train.batch_size?"),       # unknown key
+    (["data=tokens"], "data.path", "set data.path="),                                   # mandatory value not given
+    (["train.batch_size=-4"], "train.batch_size", "got -4"),
+    (["train.batch_size=0"], "train.batch_size", "got 0"),
+    (["benchmark=on"], "benchmark", "benchmark.enabled"),                               # a group of settings replaced
+])
+def test_config_mistake_is_one_line_before_anything_is_written(overrides, key, hint, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_train(FAST + overrides, run_dir, check=False)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2, lines
+    assert len(lines) == 1 and lines[0].startswith(f"error: {key}:") and "Fix:" in lines[0] and hint in lines[0], lines
+    assert not run_dir.exists()  # refused before Hydra creates the run directory
+
+
+def test_plan_only_writes_no_run_directory(tmp_path):
+    proc = run_train(["plan=true"], tmp_path / "run")
+    assert "tokens/s" in proc.stdout.splitlines()[-1]  # the plan's last line, then nothing ran
+    assert not (tmp_path / "run").exists()

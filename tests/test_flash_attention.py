@@ -114,11 +114,22 @@ def test_matches_float64_fp32(fn, shape_q, n_k, causal):
 
 @pytest.mark.parametrize("fn", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("d", [16, 32, 64, 96, 128])
+@pytest.mark.parametrize("d", [16, 32, 64, 80, 96, 128])
 def test_dtypes_and_head_dims(fn, dtype, d):
     torch.manual_seed(d)
     q, k, v = make_qkv((1, 2, 40, d), 40, dtype)
     check_against_reference(fn, q, k, v, True, TOL[dtype])
+
+
+@pytest.mark.parametrize("fn", IMPLS)
+@pytest.mark.parametrize("d", [8, 24, 48, 80, 100, 160, 256])
+def test_head_dims_padded_to_the_tile(fn, d):
+    """Head dims that are not a power of two (80: the CS336 xl and 2.7B models; 100, 160) and the ends of the range
+    (8 under tl.dot's 16, 256): padded to a power-of-two tile with masked columns, against float64, with N_q != N_k
+    and a ragged last tile."""
+    torch.manual_seed(d)
+    q, k, v = make_qkv((1, 2, 37, d), 45, torch.float32)
+    check_against_reference(fn, q, k, v, True, TOL[torch.float32])
 
 
 @pytest.mark.parametrize("fn", IMPLS)
@@ -443,7 +454,7 @@ def test_custom_op_registered():
 @pytest.mark.parametrize("bad,match", [
     (dict(d_k=8), "head dims differ"),
     (dict(dtype=torch.float64), "dtype"),
-    (dict(d=48), "head dim 48"),
+    (dict(d=264), "head dim 264"),
     (dict(lead_k=3), "leading dims differ"),
 ])
 def test_errors(fn, bad, match):
@@ -480,6 +491,13 @@ def test_bench_impls_on_cpu(monkeypatch):
             assert ft._PINNED == {"fused": (16, 16, 4, 1)}
     for g in grads[1:]:
         assert max((a - b).abs().max().item() for a, b in zip(g, grads[0])) < SAME_TOL
+    # grouped-query rows (2 query heads per KV head) and non-causal rows, against float64
+    q2 = torch.randn(1, 2, 40, 16, device=DEVICE)
+    k2, v2 = (torch.randn(1, 1, 40, 16, device=DEVICE) for _ in range(2))
+    for causal in (True, False):
+        out = bench.make_impl("flash_triton")(q2, k2, v2, causal)
+        ref, _ = reference_attention(q2, k2.expand(1, 2, 40, 16), v2.expand(1, 2, 40, 16), causal)
+        assert rel_err(out, ref) < TOL[torch.float32]
     with pytest.raises(ValueError, match="unknown impl"):
         bench.make_impl("flash_triton_split")
     if not CUDA:
@@ -503,6 +521,33 @@ def test_gpu_larger_shapes(dtype, fn_cls):
     check_against_reference(fn_cls.apply, q, k, v, True, TOL[dtype])
     q, k, v = make_qkv((1, 2, 300, 128), 777, dtype)
     check_against_reference(fn_cls.apply, q, k, v, True, TOL[dtype])
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@BWD_CLASSES
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 80), (torch.float16, 80), (torch.float32, 80),
+                                     (torch.bfloat16, 96), (torch.bfloat16, 160), (torch.float16, 192),
+                                     (torch.bfloat16, 256), (torch.float32, 256)],
+                         ids=lambda x: str(x).replace("torch.", ""))
+def test_gpu_head_dims(d, dtype, fn_cls):
+    """Every head-dim class on the GPU's compiled kernels (autotuned tiles, each backward variant): the padded
+    80 / 96, and 160-256, whose 256-wide tiles only fit in the smaller configurations; GQA-sized grids with a ragged
+    last tile, causal and not."""
+    torch.manual_seed(d)
+    for causal in (True, False):
+        q, k, v = make_qkv((2, 4, 1000, d), 1000, dtype)
+        check_against_reference(fn_cls.apply, q, k, v, causal, TOL[dtype])
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [80, 256])
+def test_gpu_head_dims_on_the_split_forward_grid(d):
+    """B = H = 1 long rows: d = 80 takes the split-KV forward (tiles sized for d <= 128), d = 256 the one kernel."""
+    torch.manual_seed(d)
+    q, k, v = make_qkv((1, 1, 4096, d), 4096, torch.bfloat16)
+    check_against_reference(FlashAttentionTriton.apply, q, k, v, True, TOL[torch.bfloat16])
 
 
 @gpu

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
-from experiments.report import collect, report
+from experiments.report import SweepReportCallback, collect, report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,6 +106,42 @@ def test_command_line(sweep: Path):
     assert (sweep / "report.md").is_file() and "Sweep report" in r.stdout
 
 
+def test_a_sweep_with_unfinished_points_ends_with_status_1_listing_them(sweep: Path, capsys):
+    _job(sweep, "2_mesh=dp2,parallelism=fsdp2", ["mesh=dp2"], status="running")  # its job died without a word
+    _job(sweep, "3_mesh=dp2,parallelism=ddp_flat", ["mesh=dp2"], status="stopped", error=None)  # train.stop_at_step
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}})
+    with pytest.raises(SystemExit) as e:
+        SweepReportCallback().on_multirun_end(config=config)
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "error: 2 of 5 sweep points did not finish:" in err
+    failed = [line.strip() for line in err.splitlines() if line.startswith("  ")]
+    assert failed == ["2_mesh=dp2,parallelism=fsdp2: running",
+                      "10_mesh=dp2,parallelism=zero1: failed: RuntimeError: boom | with a pipe"]
+    assert (sweep / "report.md").is_file()  # the report is written first
+
+
+def test_a_sweep_whose_points_all_finished_ends_normally(sweep: Path):
+    (sweep / "10_mesh=dp2,parallelism=zero1" / "summary.json").write_text(json.dumps({"status": "ok"}))
+    SweepReportCallback().on_multirun_end(config=OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    assert (sweep / "report.md").is_file()
+
+
+@pytest.mark.slow
+def test_a_local_sweep_with_a_failed_point_exits_non_zero(tmp_path: Path):
+    """The callback's exit status is the process's: Hydra does not swallow it (before: exit 0)."""
+    r = subprocess.run([sys.executable, "train.py", "-m", "model=tiny", "train.max_steps=4", "train.log_every=1",
+                        "train.eval_every=0", "train.eval_batches=1", "optimizer.warmup_steps=0", "optimizer.lr=1e30",
+                        f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "error: 1 of 1 sweep points did not finish:" in r.stderr
+    failed = r.stderr.split("error: 1 of 1 sweep points did not finish:\n")[1].splitlines()
+    assert len(failed) == 1 and failed[0].startswith("  0_") and "optimizer.lr=1e+30" in failed[0], r.stderr[-2000:]
+    assert "failed: " in failed[0] and "the loss became nan" in failed[0], r.stderr[-2000:]
+    assert (tmp_path / "sweep" / "report.md").is_file()
+
+
 def test_validated_sweeper_lists_every_invalid_point_before_starting(tmp_path: Path):
     """No CUDA here: every mesh.device=cuda point is invalid, and the odd batch fails its own check."""
     r = subprocess.run([sys.executable, "train.py", "-m", "hydra/sweeper=validated", "model=tiny",
@@ -129,7 +166,7 @@ def test_slurm_resources_follow_each_points_mesh(world, per_node, gpus, expected
     from launchers.slurm import ScalelabSlurmLauncher
 
     launcher = ScalelabSlurmLauncher(ranks_per_node=per_node, gpus=gpus, submitit_folder="x", timeout_min=1)
-    assert launcher._resources(world) == expected
+    assert launcher._resources(world, None) == expected
 
 
 def test_slurm_refuses_a_world_that_does_not_split_over_nodes():
@@ -137,4 +174,4 @@ def test_slurm_refuses_a_world_that_does_not_split_over_nodes():
     from launchers.slurm import ScalelabSlurmLauncher
 
     with pytest.raises(ConfigError, match="9 ranks do not split evenly over 2 nodes"):
-        ScalelabSlurmLauncher(ranks_per_node=8, gpus=True, submitit_folder="x")._resources(9)
+        ScalelabSlurmLauncher(ranks_per_node=8, gpus=True, submitit_folder="x")._resources(9, None)

@@ -41,9 +41,26 @@ def cluster():
         pytest.skip(reason)
 
 
-SLURM_CPU = ["hydra/launcher=slurm", "hydra/sweeper=validated",
-             "hydra.launcher.gpus=false", "hydra.launcher.ranks_per_node=2", "hydra.launcher.cpus_per_task=1",
-             "hydra.launcher.timeout_min=10", "mesh.device=cpu", "model=tiny"]
+# The launcher's defaults on a CPU-only cluster: gpus and cpus_per_task are "auto", mesh.device "auto"
+SLURM_CPU = ["hydra/launcher=slurm", "hydra/sweeper=validated", "hydra.launcher.timeout_min=10", "model=tiny"]
+
+
+def _node_cpus() -> int:
+    out = subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True, timeout=30).stdout
+    return int(out.split()[0])
+
+
+def _submitted_job_id(sweep: Path, deadline_s: float) -> tuple[str, Path]:
+    """The first Slurm job id of the sweep and its metrics file, once the job has logged a training step."""
+    deadline = time.time() + deadline_s
+    while time.time() < deadline:
+        sub = sweep / ".submitit"
+        ids = [d.name for d in sub.iterdir() if d.is_dir() and d.name[0].isdigit()] if sub.is_dir() else []
+        found = list(sweep.glob("*/metrics.jsonl"))
+        if ids and found and len(found[0].read_text().splitlines()) >= 1:
+            return ids[0], found[0]
+        time.sleep(1)
+    raise AssertionError(f"the job did not start training within {deadline_s:.0f} s")
 
 
 def _train(args: list[str], timeout: int = 240, **kw) -> subprocess.CompletedProcess:
@@ -72,6 +89,8 @@ def test_two_point_sweep_of_two_rank_jobs(tmp_path: Path):
         assert sorted(p.name.split("_")[-2] for p in d.glob("*_log.out")) == ["0", "1"]
     scripts = "".join(p.read_text() for p in (sweep / ".submitit").rglob("*_submission.sh"))
     assert "#SBATCH --ntasks-per-node=2" in scripts and "#SBATCH --nodes=1" in scripts
+    # auto: no GPUs on a node without them, and the node's CPUs shared by its tasks
+    assert "gpu" not in scripts and f"#SBATCH --cpus-per-task={max(1, min(8, _node_cpus() // 2))}" in scripts
     assert "torchrun" not in scripts
     md = (sweep / "report.md").read_text()
     assert "| ok | ddp_bucketed |" in md and "| ok | ddp_flat |" in md
@@ -95,17 +114,7 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(tmp_path: Path):
                              f"hydra.sweep.dir={sweep}"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
     try:
-        deadline = time.time() + 120
-        job_id = metrics = None
-        while time.time() < deadline:
-            sub = sweep / ".submitit"
-            ids = [d.name for d in sub.iterdir() if d.is_dir() and d.name[0].isdigit()] if sub.is_dir() else []
-            found = list(sweep.glob("*/metrics.jsonl"))
-            if ids and found and len(found[0].read_text().splitlines()) >= 1:
-                job_id, metrics = ids[0], found[0]
-                break
-            time.sleep(1)
-        assert job_id is not None, "the job did not start training within 120 s"
+        job_id, metrics = _submitted_job_id(sweep, 120)
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
         out, _ = proc.communicate(timeout=240)
     finally:
@@ -118,3 +127,63 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(tmp_path: Path):
     assert list((job / "checkpoints").iterdir()), "no checkpoint was saved on the signal"
     logs = "".join(p.read_text() for p in (sweep / ".submitit").rglob("*_0_log.*"))
     assert "job requeued" in logs and "resumed at step" in logs
+
+
+@pytest.mark.parametrize("request_,key", [("hydra.launcher.gpus=true", "hydra.launcher.gpus"),
+                                          ("hydra.launcher.cpus_per_task=64", "hydra.launcher.cpus_per_task")])
+def test_an_impossible_request_is_refused_before_submitting(tmp_path: Path, request_: str, key: str):
+    """Before: the gres request ended in sbatch's error deep in submitit; too many CPUs pended forever."""
+    sweep = tmp_path / "sweep"
+    r = _train([*SLURM_CPU, "mesh=dp2", "parallelism=ddp_bucketed", request_, f"hydra.sweep.dir={sweep}"], timeout=120)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {key}:") and "Fix: set" in errors[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert not (sweep / ".submitit").exists()
+
+
+@pytest.mark.slow
+def test_a_cancelled_job_ends_the_wait_as_a_failed_point(tmp_path: Path):
+    """No accounting on this cluster (sacct fails): before, the sweep waited forever for the cancelled job."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.Popen([sys.executable, "train.py", "-m", *SLURM_CPU, "mesh=dp1", "train.max_steps=100000",
+                             "train.log_every=1", "train.eval_every=0", f"hydra.sweep.dir={sweep}"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+    try:
+        job_id, metrics = _submitted_job_id(sweep, 150)
+        subprocess.run(["scancel", job_id], check=True, timeout=30)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, out[-4000:]
+    assert f"Slurm job {job_id} ended CANCELLED without a result" in out, out[-4000:]
+    assert "error: 1 of 1 sweep points did not finish:" in out
+    # the job caught scancel's SIGTERM and wrote "killed"; one that could not write would read "failed"
+    s = json.loads((metrics.parent / "summary.json").read_text())
+    assert s["status"] in ("killed", "failed"), s
+
+
+@pytest.mark.slow
+def test_max_num_timeout_bounds_the_requeues(tmp_path: Path):
+    """max_num_timeout=0: the signal checkpoints, the job is not requeued, the sweep names the point and exits 1."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.Popen([sys.executable, "train.py", "-m", *SLURM_CPU, "hydra.launcher.max_num_timeout=0",
+                             "mesh=dp2", "parallelism=ddp_bucketed", "train.max_steps=100000", "train.log_every=1",
+                             "train.eval_every=0", f"hydra.sweep.dir={sweep}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+    try:
+        job_id, metrics = _submitted_job_id(sweep, 150)
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, out[-4000:]
+    s = json.loads((metrics.parent / "summary.json").read_text())
+    assert s["status"] == "preempted" and "max_num_timeout=0" in s["error"], s
+    assert list((metrics.parent / "checkpoints").iterdir()), "no checkpoint was saved on the signal"
+    assert "error: 1 of 1 sweep points did not finish:" in out and "preempted: not requeued" in out, out[-4000:]
+    logs = "".join(p.read_text() for p in (sweep / ".submitit").rglob("*_0_log.*"))
+    assert "job requeued" not in logs

@@ -117,6 +117,8 @@ def test_wandb_offline_and_jsonl_hold_the_metrics(tmp_path):
     assert [r["step"] for r in jsonl] == [1, 2, 4, 6]
     files = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(files) == 1, proc.stdout[-2000:]
+    offline_run = Path(files[0]).parent
+    assert f"W&B offline run saved in {offline_run}; upload it with: wandb sync {offline_run}" in proc.stdout
     records = _wandb_records(files[0])
     history = {}
     config = {}

@@ -14,7 +14,7 @@ from torch import Tensor
 from core.errors import ConfigError
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128)
+MAX_HEAD_DIM = 256  # any head dim up to this; the Triton kernels pad it to a power of two with masks
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -32,7 +32,7 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, who: str) -> None:
     try:  # the common case in one expression: this runs on every attention call (host-bound when short)
         qs, ks = q.shape, k.shape
         if (len(qs) >= 2 and ks == v.shape and qs[:-2] == ks[:-2] and ks[-1] == qs[-1]
-                and qs[-1] in SUPPORTED_HEAD_DIMS and qs[-2] > 0 and ks[-2] > 0
+                and 0 < qs[-1] <= MAX_HEAD_DIM and qs[-2] > 0 and ks[-2] > 0
                 and q.dtype in SUPPORTED_DTYPES and q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
             return
     except AttributeError:  # not tensors: the checks below say which
@@ -57,9 +57,9 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, who: str) -> None:
     if k.shape[-1] != d or v.shape[-1] != d:
         raise ConfigError(key, f"head dims differ (q {d}, k {k.shape[-1]}, v {v.shape[-1]})",
                           "give q, k and v the same last dimension")
-    if d not in SUPPORTED_HEAD_DIMS:
+    if not 0 < d <= MAX_HEAD_DIM:
         raise ConfigError(key, f"head dim {d} is not supported",
-                          f"use one of {SUPPORTED_HEAD_DIMS} (or attention_impl=sdpa)")
+                          f"use a head dim from 1 to {MAX_HEAD_DIM} (or attention_impl=sdpa)")
     if k.shape != v.shape:
         raise ConfigError(key, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape",
                           "give k and v the same shape")

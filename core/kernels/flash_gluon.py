@@ -4,7 +4,7 @@ backward with dQ reduced through the TMA engine.
 Gluon is Triton's lower-level dialect: the same compiler and runtime, with layouts, shared memory, TMA copies,
 mbarriers, asynchronous wgmma and warp specialisation spelled out. Both kernels walk, for a tile of keys, the
 query tiles that see it, from the (base-2 logsumexp, delta) pairs of `flash_triton` (dQ pass or delta kernel),
-with what Triton 3.6 does not do for that loop (docs/attention.md, runs 9-13):
+with what Triton 3.6 does not do for that loop:
 
 - K and V stay in registers as the wgmma A operands of S^T = K Q^T and dP^T = V dO^T;
 - the Q and dO tiles and the (lse2, delta) pairs arrive by TMA into a ring of shared-memory buffers, one
@@ -13,7 +13,7 @@ with what Triton 3.6 does not do for that loop (docs/attention.md, runs 9-13):
   the exponentials of P^T are computed, and dV / dK of one step overlap the next step's first matmuls.
 
 `_dkdv_kernel` (one warpgroup per 64 keys) is the dK/dV pass of the two-pass backward. It computes the Triton
-kernel's dK, dV bit for bit in the same time (run 12), so `flash_triton` runs it only when asked
+kernel's dK, dV bit for bit in the same time, so `flash_triton` runs it only when asked
 (`flash_triton.GLUON_DKDV = True`).
 
 `_bwd_ws_kernel` is the whole backward but a small delta kernel: 5 tile matmuls per (key tile, query tile) pair
@@ -23,7 +23,7 @@ independently (`gl.warp_specialize`), each with its own 64 keys and its own chai
 exponentials while the other's matmuls run, as in cuDNN's kernel. They meet only where they must: the first
 warpgroup issues the TMA loads, into a ring both release, and hands its dS^T over shared memory to the second,
 which computes dQ over all 128 keys in one wgmma and issues one reduction per step. Measured at the leaderboard
-shape (runs 13-14): with 64 keys per program (one warpgroup) the reductions alone filled L2 (87% of its
+shape: with 64 keys per program (one warpgroup) the reductions alone filled L2 (87% of its
 throughput) and the kernel was 5% slower than the two-pass backward; 128 keys in one lockstep 8-warp program, 20%
 slower; two warpgroups each computing a dQ part over its own 64 keys, summed by the second, 7-10% faster; this
 one, 3-6% faster again (2.84 ms against cuDNN's 2.92 under the profiler). `flash_triton` uses it by default for

@@ -2,7 +2,7 @@
 
 Why: at short sequences an eager forward+backward is bound by host time, not by the kernels. Through a Python
 `torch.autograd.Function` it costs more host time than SDPA's whole C++ path: the Python node, the Python
-backward that autograd's device thread runs, and the Python launch path (docs/attention.md, runs 8-14).
+backward that autograd's device thread runs, and the Python launch path.
 
 How: `FlashAttentionTriton.apply` hands eager CUDA calls to `attention`. The first call of an input signature
 (sizes, strides, dtype, 16-byte alignment, aliasing, causal, device) runs flash_triton's Python forward under a

@@ -21,10 +21,9 @@ Kernels (plain pointer arithmetic, so the same source runs on Triton 3.6 and 3.9
   that see it. At d <= 64 both issue dP before the exponentials, which then overlap that matmul.
   `FlashAttentionTritonAtomicDQ`: one dK/dV pass that also adds dS K into an fp32 dQ buffer
   (5 tile matmuls, not 7); on Hopper each dQ tile goes in one bulk tensor reduction (TMA engine),
-  elsewhere per-element atomics. Level with two-pass on an H100 (docs/attention.md, run 8). On Hopper
-  (fp16/bf16, d = 64) it runs `flash_gluon._bwd_ws_kernel` instead, a warp-specialised Gluon kernel
-  about 10% faster than two-pass at the leaderboard shape and 3% faster than cuDNN's kernel (run 14), which
-  the default class also picks from WS_MIN_ROWS query rows on (`_default_bwd`).
+  elsewhere per-element atomics (level with two-pass on an H100). On Hopper (fp16/bf16, d = 64) it runs
+  `flash_gluon._bwd_ws_kernel` instead, a warp-specialised Gluon kernel that beats two-pass on long rows,
+  so the default class also picks it from WS_MIN_ROWS query rows on (`_default_bwd`).
   `FlashAttentionTritonFusedBwd`: one fused kernel `_bwd_fused_kernel`, grid (tiles, batch x heads),
   program i doing dK/dV of key tile i AND dQ of query tile i (causal: n - i + i + 1 tile steps each,
   so the critical path is ~n steps in one launch instead of ~2n in two); delta recomputed from O in
@@ -52,7 +51,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from core.errors import ConfigError
-from core.kernels._flash_common import autocast_dtype, check_inputs
+from core.kernels._flash_common import MAX_HEAD_DIM, autocast_dtype, check_inputs
 
 try:
     import triton
@@ -701,10 +700,9 @@ if HAVE_TRITON:
         return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
 
     # short lists: a new (head dim, dtype, causal, seq class) key costs one compile per config
-    # (the never-chosen 128x128 fwd, 128x32 dq and 64x128 dk/dv tiles of run 2 gave way to 32-row /
-    # 32-key tiles: twice the programs when batch x heads is small and the grid does not fill the SMs)
-    # 64x128 (128-key tiles, half the key steps on the critical path): 12-21% faster than the 64x64 pick at
-    # B = H = 1, S = 16384 on an H100 (run 10), 8% slower at the leaderboard shape (run 9)
+    # 32-row / 32-key tiles double the programs when batch x heads is small and the grid does not fill the
+    # SMs; 64x128 (128-key tiles) halves the key steps on the critical path of long rows on small grids, and
+    # loses where the grid is already full (the autotuner picks per sequence class)
     _FWD_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3),
                     _cfg(64, 128, 4, 3)]
     _DQ_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3), _cfg(64, 32, 4, 2)]
@@ -720,7 +718,8 @@ if HAVE_TRITON:
     _FUSED_CONFIGS = [_cfg(64, 64, 4, 3), _cfg(64, 64, 8, 2), _cfg(32, 32, 4, 3), _cfg(32, 32, 4, 2)]
 
     def _prune(configs, named_args, **kwargs):
-        """Drop tiles that cannot fit (fp32 / d=128 at large tiles) or that dwarf the sequence."""
+        """Drop tiles that cannot fit (fp32 / d=128 at large tiles, 256-wide tiles past 32 x 64) or that dwarf
+        the sequence; where nothing is left, a 32 x 32 tile in one stage, which fits at every head dim."""
         d = named_args["BLOCK_D"] if "BLOCK_D" in named_args else kwargs.get("BLOCK_D", 64)
         fp32 = named_args["Q"].dtype == torch.float32
         n_min = min(named_args["n_q"], named_args["n_k"])
@@ -731,10 +730,12 @@ if HAVE_TRITON:
                 continue
             if fp32 and d >= 128 and c.num_stages > 2:
                 continue
+            if d >= 256 and (bm * bn > (32 * 32 if fp32 else 32 * 64) or c.num_stages > 2):
+                continue
             if n_min <= 256 and bm * bn > 64 * 64:
                 continue
             kept.append(c)
-        return kept or configs[-1:]
+        return kept or [_cfg(32, 32, 4, 1)]
 
     if os.environ.get("SCALELAB_FLASH_WIDE_TUNE", "0") == "1":  # exploration only: many more compiles
         _FWD_CONFIGS += [_cfg(128, 128, 8, 4), _cfg(128, 32, 4, 4), _cfg(128, 128, 8, 2), _cfg(128, 64, 4, 4)]
@@ -804,7 +805,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-_BLOCK_D = {16: 16, 32: 32, 64: 64, 96: 128, 128: 128}
+# the tile width for a head dim: the next power of two from 16 (tl.dot's smallest K); columns past the head dim are
+# masked on load and store
+_BLOCK_D = {d: max(16, 1 << (d - 1).bit_length()) for d in range(1, MAX_HEAD_DIM + 1)}
 
 
 _CHOSEN: dict[tuple, tuple[int, int, int, int]] = {}  # autotuner's pick per key, launched directly
@@ -857,7 +860,7 @@ def _launch(name: str, tuned, raw, zh: int, n_rows: int, args: tuple,
 
 # Direct launches. `JITFunction.run` binds and specializes every argument, builds a cache key and looks the
 # compiled kernel up on every call: 27 us of host time per launch on the H100 VM's CPU, against 8.5 us for the
-# compiled kernel's own launcher (docs/attention.md, run 11), and a forward+backward makes 2-4 launches. `_run`
+# compiled kernel's own launcher, and a forward+backward makes 2-4 launches. `_run`
 # keeps the compiled kernel per launch signature and calls its launcher directly. Triton specializes a kernel
 # on its constexprs and options, on the value class of each integer (1, multiple of 16, int32 or int64) and
 # on each pointer's dtype and 16-byte alignment; the key holds the integers' values themselves and each
@@ -1004,14 +1007,14 @@ def _operand_and_output(x: Tensor) -> tuple[Tensor, Tensor]:
 FWD_SPLIT = True
 FWD_SPLIT_KEYS: int | None = None
 FWD_MERGE_IN_KERNEL = True
-# the autotuner's pick for the one-kernel forward at S <= 4096, B = H = 1 (H100, runs 7-10)
+# the autotuner's pick for the one-kernel forward at S <= 4096, B = H = 1 on an H100
 _SPLIT_TILES = (64, 64, 4, 3)
 # rows of fewer than 32 key tiles (S = 1024): 32-row query tiles, twice the programs, and each split's keys in
-# one masked loop rather than an unmasked and a masked one (one pipeline start-up, not two): 14.2 µs against
-# 17.1 with 64-row tiles and two loops at d = 128, B = H = 1 (H100, run 16; SDPA-flash 15.3)
+# one masked loop rather than an unmasked and a masked one (one pipeline start-up, not two); the 64-row tiles
+# spill registers at d = 128
 _SHORT_SPLIT_TILES = (32, 64, 4, 3)
 SHORT_ROW_TILES = 32
-# more splits cost more in the merge (fp32 partial rows) than they gain in parallelism (run 14)
+# more splits cost more in the merge (fp32 partial rows) than they gain in parallelism
 MAX_FWD_SPLITS = 4
 
 
@@ -1070,17 +1073,11 @@ def _fwd_split_len(device: torch.device, zh: int, n_q: int, n_k: int, bm: int, b
 
     Splits only when the one-kernel grid (batch x heads x query tiles) has fewer programs than the GPU has
     SMs and rows span at least 32 key tiles; then about two programs per SM, each with 4 key tiles or more,
-    in at most MAX_FWD_SPLITS splits. On an H100 at B = H = 1 (run 10, CUDA-graph timings) the split forward
-    took 0.017 / 0.023 ms at S = 2048 / 4096 against 0.023 / 0.040 ms in one kernel, but at S = 1024 only
-    0.014 against 0.016 ms: not worth the second launch's host time there, until the C++ autograd node
-    (flash_native) made a launch cost about 2 µs of host time. Run 15, S = 1024, 4 splits of 256 keys:
-    12.0 / 13.3 / 17.8 µs at d = 32 / 64 / 128 against 12.8 / 15.2 / 18.5 in one kernel (SDPA-flash: 13.2 /
-    14.2 / 14.9); so rows of 16+ key tiles split where the grid has at most a quarter as many programs as
-    the GPU has SMs (B x H <= 2 at S = 1024 on an H100). Run 14: at S = 2048, 4 splits
-    (one wave of 128 programs) took 15.8 / 20.5 µs at d = 64 / 128 against 8 splits' 16.8 / 24.4 (SDPA-flash:
-    16.7 / 21.7); at S = 4096, 4 splits 23.0 / 31.0 against 5 splits' 22.6 / 30.0. (Those were two launches;
-    since run 16 one, and at S = 1024 with 32-row tiles: 10.3 / 12.5 / 14.2 µs against SDPA-flash's 13.5 /
-    14.4 / 15.3.)"""
+    in at most MAX_FWD_SPLITS splits. Why: on a grid that leaves SMs idle a query tile's whole row is the
+    critical path, and splitting it costs one merge of fp32 partial rows. Measured on an H100 at B = H = 1, the
+    split pays from S = 2048 on every head dim, and at S = 1024 (16-31 key tiles) only on the tiniest grids
+    (at most a quarter as many programs as SMs, B x H <= 2), once the C++ node made a launch cost about 2 µs of
+    host time; more than 4 splits lost to the merge's extra traffic (docs/attention.md, dispatch policy)."""
     if FWD_SPLIT_KEYS is not None:
         return _cdiv(FWD_SPLIT_KEYS, bn) * bn
     if not FWD_SPLIT or INTERPRET:
@@ -1106,7 +1103,8 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Te
     causal_off = n_k - n_q if is_causal else 0
     seq_class = _seq_class(max(n_q, n_k), z * h)
     bm, bn, warps, stages = _PINNED.get("fwd") or ((32, 16, 4, 1) if INTERPRET else _SPLIT_TILES)
-    split_len = _fwd_split_len(q.device, z * h, n_q, n_k, bm, bn)
+    # the split forward's fixed tiles are sized for head dims up to 128
+    split_len = _fwd_split_len(q.device, z * h, n_q, n_k, bm, bn) if _BLOCK_D[d] <= 128 else 0
     if split_len:  # small grid: split-KV
         short = _cdiv(n_k, bn) < SHORT_ROW_TILES
         if short and "fwd" not in _PINNED and not INTERPRET:
@@ -1161,7 +1159,7 @@ def _bwd_code(variant) -> int:
 def _use_fused(zh: int, n_q: int, n_k: int, d: int, dtype) -> bool:
     """Policy for `FlashAttentionTriton`'s default backward: True sends it to the fused one-launch kernel.
 
-    Measured on the H100 (docs/attention.md, run 7; B = H = 1, bf16, causal): the fused backward beat the
+    Measured on the H100 (B = H = 1, bf16, causal): the fused backward beat the
     two-pass one wherever the grid was small, d = 64 up to 256 64-row tiles (S = 16384: 0.340 vs 0.404 ms)
     and d = 128 up to 128 tiles (S = 8192: 0.293 vs 0.406 ms), and lost where it was large: d = 128 at 256
     tiles (0.774 vs 0.500 ms; its 64x64 tiles spill registers at d = 128) and the leaderboard shape, 4096
@@ -1208,7 +1206,7 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
                 is_causal, d, block_d, seq_class, q.dtype, n_k=n_k)
         return dq, dk, dv
     atomic_dq = variant == BWD_ATOMIC_DQ
-    dq_tma = atomic_dq and _has_tma(q.device)
+    dq_tma = atomic_dq and _has_tma(q.device) and d % 4 == 0  # TMA: 16-byte rows of the fp32 dQ buffer
     if dq_tma:
         _ensure_scratch_allocator()
     # per row, (base-2 logsumexp, delta = rowsum(dO * O)), written by the first launch for the dK/dV pass
@@ -1251,10 +1249,10 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
 # The Hopper backward kernels in Gluon (`flash_gluon`), used where they apply: sm_90, fp16 / bf16, d = 64, an even
 # N_q, 16-byte aligned Q and dO rows.
 # - GLUON_WS (on): the atomic-dQ backward runs the warp-specialised one-pass kernel (about 10% faster than the
-#   two-pass backward at the leaderboard shape, run 14), and the default class picks it from WS_MIN_ROWS query
+#   two-pass backward at the leaderboard shape), and the default class picks it from WS_MIN_ROWS query
 #   rows on (`_default_bwd`), unless torch.use_deterministic_algorithms is on (fp32 dQ reductions in L2 add in
 #   any order).
-# - GLUON_DKDV (off): the two-pass backward's dK/dV pass in Gluon (level with the Triton kernel, run 12), unless
+# - GLUON_DKDV (off): the two-pass backward's dK/dV pass in Gluon (level with the Triton kernel), unless
 #   the dK/dV tiles are pinned (pins select the Triton kernel's tiles).
 GLUON_WS = True
 GLUON_DKDV = False
@@ -1372,8 +1370,8 @@ def _flash_native():
 class FlashAttentionTriton(torch.autograd.Function):
     """FlashAttention-2 in Triton: ``FlashAttentionTriton.apply(q, k, v, is_causal=False)``.
 
-    q (..., N_q, d), k and v (..., N_k, d), same leading dims; fp32 (tf32 dots), fp16, bf16;
-    d in 16, 32, 64, 96, 128. Saves q, k, v, out and one logsumexp (..., N_q) for backward.
+    q (..., N_q, d), k and v (..., N_k, d), same leading dims; fp32 (tf32 dots), fp16, bf16; any head dim
+    d up to 256 (padded to a power of two with masks). Saves q, k, v, out and one logsumexp (..., N_q).
     Backward (`_default_bwd`): the fused one-launch kernel on small grids, the warp-specialised Gluon kernel
     (atomic fp32 dQ) for long rows on Hopper, else two passes (no atomics).
     `FlashAttentionTritonAtomicDQ`: one pass, atomic fp32 dQ; `FlashAttentionTritonFusedBwd`: one
@@ -1439,7 +1437,7 @@ class FlashAttentionTritonFusedBwd(FlashAttentionTriton):
 def _default_bwd(q4: Tensor, k4: Tensor, do4: Tensor) -> int:
     """The default class's backward variant for these 4-D operands: the fused kernel on small grids
     (`_use_fused`), the warp-specialised Gluon kernel on Hopper from WS_MIN_ROWS query rows (measured on the
-    H100, run 14, d = 64 causal, time against the two-pass backward: 0.85x at 32768-65536 rows with B = H = 1,
+    H100, d = 64 causal, time against the two-pass backward: 0.85x at 32768-65536 rows with B = H = 1,
     0.92-1.01x at 8192 rows (batch x heads 4-16), 1.08x at (16, 4096) and 1.6-2.1x at 1024-2048 rows, where
     the per-program set-up, the delta kernel and the dQ cast weigh more), else two passes."""
     z, h, n_q, d = q4.shape

@@ -2,7 +2,7 @@
 //
 // Why: at short sequences an eager forward+backward is bound by host time, and a Python autograd.Function
 // (its node, the Python backward on autograd's device thread, the Python launch path) costs more host time
-// than SDPA's whole C++ path (docs/attention.md, runs 8-14). This node replays, from C++, the allocations
+// than SDPA's whole C++ path. This node replays, from C++, the allocations
 // and Triton launches that flash_triton's Python implementation made for the same input signature:
 // flash_native.py records them once per signature (sizes, strides, dtype, 16-byte alignment, causal, device)
 // and hands the plan over here. A signature without a plan, or one whose Python path does more than
