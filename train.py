@@ -38,7 +38,8 @@ def main(cfg: DictConfig):
 
 
 if __name__ == "__main__":
-    from launchers.preflight import check_command_line, exit_on
+    from core.errors import exit_on
+    from launchers.preflight import check_command_line
 
     try:  # Hydra would report a composition mistake in many lines, with exit code 1
         check_command_line(sys.argv[1:], str(CONFIG_DIR), CONFIG_NAME)

@@ -1,4 +1,8 @@
 """One exception type for every bad-input error, so `train.py` can print it as one line."""
+from __future__ import annotations
+
+import sys
+from typing import NoReturn
 
 
 class ConfigError(ValueError):
@@ -13,3 +17,9 @@ def require(condition: bool, key: str, problem: str, fix: str) -> None:
     """Raise `ConfigError(key, problem, fix)` unless `condition` holds."""
     if not condition:
         raise ConfigError(key, problem, fix)
+
+
+def exit_on(error: ConfigError) -> NoReturn:
+    """Print `error` as the one line a config mistake gets, and exit with code 2."""
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    raise SystemExit(2)

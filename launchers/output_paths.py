@@ -15,7 +15,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from core.errors import ConfigError
-from launchers.preflight import exit_on
+from core.errors import exit_on
 
 
 def require_writable(path: str | Path, key: str) -> None:

@@ -16,8 +16,7 @@ A multirun's points are checked by the validated sweeper (launchers/sweeper.py) 
 from __future__ import annotations
 
 import difflib
-import sys
-from typing import Any, NoReturn
+from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
@@ -25,13 +24,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from core.errors import ConfigError
-
-
-def exit_on(error: ConfigError) -> NoReturn:
-    """Print `error` as the one line a config mistake gets, and exit with code 2."""
-    print(f"error: {error}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
+from core.errors import ConfigError, exit_on
 
 
 def _closest(word: str, choices: list[str]) -> str | None:
