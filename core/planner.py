@@ -208,8 +208,10 @@ class Plan:
         lines.append(f"    {'activations (ckpt every)':<24}{g(self.activations_with_ckpt)}")
         for k, v in self.moments.items():
             lines.append(f"    at {k:<21}{g(v)}")
-        cap = f" of {self.device_memory_gib:.1f} GiB" if self.device_memory_gib and math.isfinite(
-            self.device_memory_gib) else ""
+        cap = ""
+        if self.device_memory_gib and math.isfinite(self.device_memory_gib):
+            shared = f" x {self.ranks_per_memory} ranks" if self.ranks_per_memory > 1 else ""
+            cap = f"{shared} of {self.device_memory_gib:.1f} GiB{' available' if self.device == 'cpu' else ''}"
         lines.append(f"    {'PEAK':<24}{g(self.peak_bytes)}{cap} ({self.peak_moment})")
         if self.collectives:
             lines.append("  communication per step:")
