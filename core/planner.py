@@ -176,7 +176,8 @@ class Plan:
         parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(self.memory.items(), key=lambda kv: -kv[1]) if v)
         fixes = []
         if self.checkpointed_blocks == 0:
-            fixes.append("activation_checkpointing=1")
+            fixes.append("activation_checkpointing=1" + (" with parallelism=torch_fsdp2 (our fsdp cannot recompute)"
+                                                          if self.strategy == "fsdp" else ""))
         if self.strategy not in ("fsdp", "torch_fsdp2"):
             fixes.append("a sharded strategy (parallelism=fsdp, torch_fsdp2 or zero1) over more ranks")
         fixes += ["a smaller train.batch_size or more train.grad_accum_steps", "a smaller model=",
