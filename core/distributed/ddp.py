@@ -501,11 +501,8 @@ def bucketed_all_reduce_profile(layout: ModelLayout, bucket_size_mb: float, firs
     first = cap if first_bucket_size_mb is None else min(cap, int(first_bucket_size_mb * 2**20))
     wire = 2 if comm_dtype in ("bfloat16", "bf16", "float16", "fp16") else 4
     if compute_dtype is not None:  # two gradient kinds, bucketed separately: bf16 Linear leaves and fp32 rest
-        linear = list(layout.linear_weights)
-        rest = list(layout.tensors)
-        for n in linear:
-            rest.remove(n)
-        kinds = [[2 * n for n in reversed(linear)], [4 * n for n in reversed(rest)]]
+        ready = list(zip(reversed(layout.tensors), reversed(layout.is_linear)))
+        kinds = [[2 * n for n, linear in ready if linear], [4 * n for n, linear in ready if not linear]]
     else:
         kinds = [[4 * n for n in reversed(layout.tensors)]]
     # buckets fill by the gradients' own bytes; a bf16 comm_dtype halves what travels (and its buffers)

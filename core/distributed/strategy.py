@@ -40,7 +40,7 @@ class ModelLayout:
     """The parameter sizes a strategy's profile depends on (numel, not bytes)."""
 
     tensors: tuple[int, ...]         # every trainable parameter, registration order, tied ones once
-    linear_weights: tuple[int, ...]  # every nn.Linear weight (what autocast / compute_dtype casts), forward order
+    is_linear: tuple[bool, ...]      # per tensor: an nn.Linear weight (what autocast / compute_dtype casts)
     n_blocks: int                    # transformer blocks (FSDP's units)
     block_params: int                # parameters of one block
     embedding: int                   # parameters of the token embedding
@@ -49,18 +49,22 @@ class ModelLayout:
     def numel(self) -> int:
         return sum(self.tensors)
 
+    @property
+    def linear_weights(self) -> tuple[int, ...]:
+        return tuple(n for n, linear in zip(self.tensors, self.is_linear) if linear)
+
     @classmethod
     def of(cls, model: nn.Module) -> "ModelLayout":
         """The layout of a `TransformerLM` (a meta-device one costs no memory)."""
+        linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
         seen: set[int] = set()
-        tensors = []
+        params = []
         for p in model.parameters():
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
-                tensors.append(p.numel())
-        linears = tuple(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+                params.append(p)
         blocks = list(getattr(model, "blocks", []))
-        return cls(tuple(tensors), linears, len(blocks),
+        return cls(tuple(p.numel() for p in params), tuple(id(p) in linear for p in params), len(blocks),
                    sum(p.numel() for p in blocks[0].parameters()) if blocks else 0,
                    model.token_embeddings.weight.numel() if hasattr(model, "token_embeddings") else 0)
 
