@@ -17,56 +17,32 @@ from dataclasses import dataclass
 import torch
 
 from core.errors import ConfigError
+from core.hardware import DEVICES, key_for_name
 from core.model import ModelConfig
-
-# Dense peak TFLOP/s from vendor datasheets (no sparsity), by device-name pattern and dtype.
-# fp32 means TF32 tensor cores when allowed (the trainer enables TF32 by default), else plain FP32.
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "h200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 66.9},
-    "h100_sxm": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 66.9},
-    "h100_pcie": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
-    "a100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-    "l40s": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},
-    "a10g": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
-    "rtx_4090": {"bf16": 165.0, "fp16": 165.0, "tf32": 82.6, "fp32": 82.6},
-    "b200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 80.0},
-}
-
-
-def table_key_for_device(name: str) -> str | None:
-    """Map a CUDA device name ('NVIDIA H100 80GB HBM3') to a `PEAK_TFLOPS` key, or None if unknown."""
-    n = name.lower()
-    if "h200" in n:
-        return "h200"
-    if "h100" in n:
-        return "h100_pcie" if "pcie" in n else "h100_sxm"
-    for key, pattern in (("a100", "a100"), ("l40s", "l40s"), ("a10g", "a10g"), ("rtx_4090", "4090"), ("b200", "b200")):
-        if pattern in n:
-            return key
-    return None
 
 
 def peak_flops(device: torch.device, dtype: str, tf32: bool, override: float | str | None) -> tuple[float | None, str]:
     """Peak FLOP/s for MFU, and where it came from; (None, why) when it cannot be known.
 
     `override` (config `metrics.peak_tflops`) is a number of TFLOP/s or a table key; an
-    unknown key is an error, never a guess.
+    unknown key is an error, never a guess. The table is core/hardware.py's `DEVICES`.
     """
     compute_dtype = "tf32" if dtype == "fp32" and tf32 else dtype
     if override is not None:
         if isinstance(override, (int, float)):
             return float(override) * 1e12, f"metrics.peak_tflops={override}"
-        if override not in PEAK_TFLOPS:
+        known = [k for k, d in DEVICES.items() if d.peak_tflops]
+        if override not in known:
             raise ConfigError("metrics.peak_tflops", f"no peak-FLOPS entry named {override!r}",
-                              f"give a number of TFLOP/s or one of {', '.join(PEAK_TFLOPS)}")
-        return PEAK_TFLOPS[override][compute_dtype] * 1e12, f"table[{override}][{compute_dtype}]"
+                              f"give a number of TFLOP/s or one of {', '.join(known)}")
+        return DEVICES[override].peak_tflops[compute_dtype] * 1e12, f"table[{override}][{compute_dtype}]"
     if device.type != "cuda":
         return None, "no MFU on the CPU: its peak FLOP/s is not in the table (set metrics.peak_tflops to report one)"
     name = torch.cuda.get_device_name(device)
-    key = table_key_for_device(name)
-    if key is None:
+    key = key_for_name(name)
+    if key is None or not DEVICES[key].peak_tflops:
         return None, f"no MFU: {name!r} is not in the peak-FLOPS table (set metrics.peak_tflops)"
-    return PEAK_TFLOPS[key][compute_dtype] * 1e12, f"table[{key}][{compute_dtype}] for {name}"
+    return DEVICES[key].peak_tflops[compute_dtype] * 1e12, f"table[{key}][{compute_dtype}] for {name}"
 
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False) -> float:

@@ -4,14 +4,17 @@
 
   * parameter count and FLOPs per step (the PaLM model FLOPs that MFU uses, and the matmul
     FLOPs the hardware executes: what `torch.utils.flop_counter.FlopCounterMode` counts);
-  * memory, broken into parameters, gradients, optimizer state, saved activations (with and
-    without activation checkpointing), autocast's low-precision weight copies, communication
-    buffers and transients, evaluated at the three moments a step can peak (end of forward,
-    end of backward, optimizer step);
-  * communication volume per step per collective and its time on a ring;
-  * a step time from a roofline (matmul FLOPs at the measured matmul ceiling, elementwise
-    traffic at the measured memory bandwidth, a per-kernel floor) plus the exposed part of
+  * memory (`predict_memory`), broken into parameters, gradients, optimizer state, saved activations
+    (with and without activation checkpointing), autocast's low-precision weight copies, communication
+    buffers and transients, evaluated at the three moments a step can peak (end of forward, end of
+    backward, optimizer step);
+  * communication (`predict_communication`): volume per step per collective and its time on a ring;
+  * a step time (`predict_time`) from a roofline (matmul FLOPs at the measured matmul ceiling,
+    elementwise traffic at the measured memory bandwidth, a per-kernel floor) plus the exposed part of
     the communication.
+
+What a strategy shards and sends is the strategy's own answer (`Strategy.profile`, core/distributed/);
+the device figures come from core/hardware.py. The planner only costs them.
 
 Activation sizes are exact counts of what autograd saves in `core.model.TransformerLM`
 (checked against `saved_tensors_hooks` in tests/test_planner.py). Per block, with
@@ -31,208 +34,83 @@ plus, once: tokens 8 BT, final norm 8 BTD + 4 BT, lm_head input a BTD, log-softm
 fp32 parameter count suggests. A checkpointed block saves only its fp32 input (4 BTD; all share one int64 positions tensor).
 
 Calibration (docs/planner.md): 2x H200, xl (3.41B), 4 sequences x 512 per GPU, bf16 autocast,
-fused AdamW, eager. Measured: single 54.2 GiB / 138.5 ms, torch DDP 66.9 GiB / 174.4 ms,
-torch FSDP2 28.6 GiB / 160.9 ms; and every strategy's step time in docs/results/dp_bench_xl_2xh200.md.
+fused AdamW, eager; the measured points are in docs/data_parallel.md and docs/planner.md.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import shutil
-import subprocess
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from core.distributed.strategy import ModelLayout, Strategy, StrategyProfile, axes_degree
 from core.errors import ConfigError, require
+from core.hardware import DEVICES, DeviceSpec, cpu_memory_available_gib, key_for_name, visible_gpus
 
 GIB = 2**30
+GPU_KEYS = ", ".join(k for k, d in DEVICES.items() if k != "cpu" and d.has_ceilings)
 
 
-# ---- device ceilings --------------------------------------------------------------------------
-@dataclass
-class DeviceSpec:
-    """Ceilings one device reaches; every figure says where it came from (measured / datasheet / estimate)."""
-
-    name: str
-    memory_gib: float                  # what torch can allocate (total minus context), per device
-    matmul_tflops: dict[str, float]    # dense matmul ceiling per compute dtype
-    hbm_gbps: float                    # memory bandwidth reached by large copies
-    intra_busbw_gbps: float            # NCCL all-reduce bus bandwidth between GPUs of one node
-    inter_busbw_gbps: float            # ... across nodes (per GPU)
-    collective_latency_us: float       # fixed cost of one collective
-    kernel_floor_us: float             # fixed cost of one eager kernel (launch + tail)
-    attention_efficiency: float        # fraction of the matmul ceiling fused attention reaches
-    overlap_efficiency: float          # fraction of an overlapped collective's time that costs nothing
-    #                                    (the rest slows the compute it runs beside: SMs and HBM are shared)
-    gpus_per_node: int = 8
-    sources: dict[str, str] = field(default_factory=dict)
-
-
-DEVICES: dict[str, DeviceSpec] = {
-    "h100_sxm": DeviceSpec(
-        name="NVIDIA H100 80GB HBM3", memory_gib=79.1,
-        matmul_tflops={"bf16": 760.0, "fp16": 760.0, "tf32": 378.0, "fp32": 51.0},
-        hbm_gbps=3000.0, intra_busbw_gbps=340.0, inter_busbw_gbps=45.0, collective_latency_us=45.0,
-        kernel_floor_us=3.0, attention_efficiency=0.5, overlap_efficiency=0.4,
-        sources={"matmul_tflops.bf16": "measured 737-798 TFLOP/s (bf16 GEMM, 8k cube)",
-                 "matmul_tflops.tf32": "estimate: datasheet 494.5 x 0.77 (bf16 measured/datasheet ratio)",
-                 "matmul_tflops.fp32": "estimate: datasheet 66.9 x 0.77",
-                 "hbm_gbps": "measured ~3.0 TB/s device copy (datasheet 3.35)",
-                 "intra_busbw_gbps": "estimate: as the H200 pair's measured figure (NVLink4, 450 GB/s/direction)",
-                 "inter_busbw_gbps": "datasheet 400 Gb/s InfiniBand NDR per GPU, x0.9",
-                 "kernel_floor_us": "calibrated on the 2x H200 xl reference (see docs/planner.md)",
-                 "overlap_efficiency": "calibrated: our ddp_bucketed on 2x H200 waited 1.1 ms but its step grew "
-                                       "by ~35% of its isolated all-reduce time (docs/results/dp_bench_xl_2xh200.md)",
-                 "collective_latency_us": "measured: ddp_naive's 291 all-reduces cost 14 ms more than ddp_flat's one"}),
-    "h200": DeviceSpec(
-        name="NVIDIA H200", memory_gib=139.8,
-        matmul_tflops={"bf16": 788.0, "fp16": 788.0, "tf32": 394.0, "fp32": 52.0},
-        hbm_gbps=4300.0, intra_busbw_gbps=350.0, inter_busbw_gbps=45.0, collective_latency_us=45.0,
-        kernel_floor_us=3.0, attention_efficiency=0.5, overlap_efficiency=0.4,
-        sources={"matmul_tflops.bf16": "measured 788 TFLOP/s (bf16 GEMM)",
-                 "matmul_tflops.tf32": "estimate: half the bf16 figure",
-                 "matmul_tflops.fp32": "estimate: datasheet 66.9 x 0.78",
-                 "hbm_gbps": "measured ~4.3 TB/s device copy (datasheet 4.8)",
-                 "intra_busbw_gbps": "measured: ddp_flat's 13.6 GB all-reduce in 38.9 ms (nccl-tests 360-400)",
-                 "inter_busbw_gbps": "datasheet 400 Gb/s InfiniBand NDR per GPU, x0.9",
-                 "kernel_floor_us": "calibrated on the 2x H200 xl reference (see docs/planner.md)",
-                 "overlap_efficiency": "calibrated: our ddp_bucketed on 2x H200 waited 1.1 ms but its step grew "
-                                       "by ~35% of its isolated all-reduce time (docs/results/dp_bench_xl_2xh200.md)",
-                 "collective_latency_us": "measured: ddp_naive's 291 all-reduces cost 14 ms more than ddp_flat's one"}),
-    "a100_80gb": DeviceSpec(
-        name="NVIDIA A100-SXM4-80GB", memory_gib=79.1,
-        matmul_tflops={"bf16": 312.0 * 0.8, "fp16": 312.0 * 0.8, "tf32": 156.0 * 0.8, "fp32": 19.5 * 0.8},
-        hbm_gbps=1700.0, intra_busbw_gbps=230.0, inter_busbw_gbps=22.0, collective_latency_us=20.0,
-        kernel_floor_us=3.0, attention_efficiency=0.5, overlap_efficiency=0.0,
-        sources={"*": "estimate: datasheet x 0.8 (not measured here)"}),
-    "cpu": DeviceSpec(
-        name="cpu", memory_gib=float("inf"),
-        matmul_tflops={"bf16": 0.05, "fp16": 0.05, "tf32": 0.1, "fp32": 0.1},
-        hbm_gbps=10.0, intra_busbw_gbps=2.0, inter_busbw_gbps=1.0, collective_latency_us=200.0,
-        kernel_floor_us=15.0, attention_efficiency=0.5, overlap_efficiency=0.0, gpus_per_node=1,
-        sources={"*": "estimate: a 2-core CI machine, gloo over loopback; CPU predictions are rough"}),
-}
-
-
-def detect_device() -> tuple[Optional[str], str]:
-    """(table key, description) of this machine's GPU, found through nvidia-smi (no CUDA context)."""
-    if shutil.which("nvidia-smi") is None:
-        return "cpu", "no nvidia-smi: planning for the CPU"
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20).stdout.strip().splitlines()
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, f"nvidia-smi failed: {e}"
-    if not out:
-        return "cpu", "nvidia-smi lists no GPU: planning for the CPU"
-    name = out[0].strip().lower()
-    if "h200" in name:
-        return "h200", out[0].strip()
-    if "h100" in name and "pcie" not in name:
-        return "h100_sxm", out[0].strip()
-    if "a100" in name and "80" in name:
-        return "a100_80gb", out[0].strip()
-    return None, out[0].strip()
-
-
-def device_spec(cfg: DictConfig) -> tuple[Optional[DeviceSpec], str]:
-    """The device table entry the plan uses: `planner.device` (auto | a key), then `planner.device_overrides`."""
+# ---- the device ------------------------------------------------------------------------------------
+def device_spec(cfg: DictConfig, world_size: int) -> tuple[Optional[DeviceSpec], str]:
+    """The device the plan is for and a line saying why: `planner.device` (auto | a core/hardware.py key),
+    then `planner.device_overrides`. None when auto finds a GPU the table does not know."""
     pcfg = OmegaConf.select(cfg, "planner", default=None) or {}
     want = pcfg.get("device", "auto") if pcfg else "auto"
     mesh_dev = OmegaConf.select(cfg, "mesh.device", default="auto")
-    if want in (None, "auto"):
-        if mesh_dev == "cpu":
-            key, why = "cpu", "mesh.device=cpu"
-        else:
-            key, why = detect_device()
-    else:
+    if want not in (None, "auto"):
         require(want in DEVICES, "planner.device", f"no device-table entry {want!r}",
                 f"use planner.device=auto or one of {', '.join(DEVICES)}")
         key, why = want, "planner.device"
-    if key is None:
-        return None, (f"{why!r} is not in the planner's device table: no time or fit prediction "
-                      f"(set planner.device to one of {', '.join(DEVICES)})")
-    spec = dataclasses.replace(DEVICES[key], matmul_tflops=dict(DEVICES[key].matmul_tflops),
-                               sources=dict(DEVICES[key].sources))
+    elif mesh_dev == "cpu":
+        key, why = "cpu", "mesh.device=cpu"
+    else:
+        gpus = visible_gpus()
+        if not gpus:
+            # the run would train on this machine's CPU; someone planning a GPU job from a laptop or a login
+            # node must say which GPU, and the plan says so on its first line
+            key = "cpu"
+            why = (f"planner.device=auto and this machine has no GPU, so the plan is for its CPU; "
+                   f"to plan for GPUs set planner.device={GPU_KEYS.replace(', ', '|')}")
+        else:
+            key = key_for_name(gpus[0])
+            if key is None:
+                return None, (f"{gpus[0]!r} is not in the device table: no time or fit prediction "
+                              f"(set planner.device to one of {GPU_KEYS})")
+            why = f"planner.device=auto found {gpus[0]}"
+            if world_size > len(gpus):
+                why += (f"; the mesh has {world_size} ranks and this machine {len(gpus)} GPUs: planned as "
+                        f"{world_size} of them (planner.device=... to plan for another GPU)")
+    spec = DEVICES[key].copy()
+    if key == "cpu":
+        spec.memory_gib = cpu_memory_available_gib()
     overrides = pcfg.get("device_overrides", None) if pcfg else None
     if overrides:
         for k, v in OmegaConf.to_container(overrides, resolve=True).items():
-            if k == "matmul_tflops" and isinstance(v, dict):
-                spec.matmul_tflops.update({kk: float(vv) for kk, vv in v.items()})
+            if k in ("matmul_tflops", "peak_tflops") and isinstance(v, dict):
+                setattr(spec, k, {**(getattr(spec, k) or {}), **{kk: float(vv) for kk, vv in v.items()}})
             else:
-                require(hasattr(spec, k), f"planner.device_overrides.{k}", "is not a device figure",
-                        f"use one of {', '.join(f.name for f in dataclasses.fields(DeviceSpec))}")
-                setattr(spec, k, type(getattr(spec, k))(v))
+                require(hasattr(spec, k) and k != "sources", f"planner.device_overrides.{k}", "is not a device figure",
+                        f"use one of {', '.join(f.name for f in dataclasses.fields(DeviceSpec) if f.name != 'sources')}")
+                setattr(spec, k, v if k == "name" else float(v) if k != "devices_per_node" else int(v))
             spec.sources[k] = "config override"
     return spec, f"{key} ({why})"
-
-
-# ---- strategy profiles -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StrategyProfile:
-    """What a parallelism scheme shards, what it sends, and whether its sends overlap backward."""
-
-    shard_params: bool = False
-    shard_grads: bool = False
-    shard_optimizer: bool = False
-    grad_comm: str = "none"            # none | all_reduce | reduce_scatter
-    param_comm: str = "none"           # none | all_gather_after_step | all_gather_per_layer
-    per_tensor: bool = False           # one collective per parameter tensor
-    bucketed: bool = False             # buckets of `bucket_size_mb` (ours) or 25 MB (torch DDP)
-    overlaps: bool = False             # communication launched during backward
-    persistent_grad_buffer: bool = False  # a full-size gradient buffer that stays allocated (torch DDP)
-    flat_transient: bool = False       # a full-size flat copy of the gradients at the end of backward
-    mixed_precision_params: bool = False  # all-gathers compute-dtype params (no autocast weight copies)
-
-
-PROFILES: dict[str, StrategyProfile] = {
-    "none": StrategyProfile(),
-    "ddp_naive": StrategyProfile(grad_comm="all_reduce", per_tensor=True),
-    "ddp_flat": StrategyProfile(grad_comm="all_reduce", flat_transient=True),
-    "ddp_overlap": StrategyProfile(grad_comm="all_reduce", per_tensor=True, overlaps=True),
-    "ddp_bucketed": StrategyProfile(grad_comm="all_reduce", bucketed=True, overlaps=True),
-    "zero1": StrategyProfile(shard_optimizer=True, grad_comm="all_reduce", param_comm="all_gather_after_step",
-                             bucketed=True, overlaps=True),
-    "zero1_rs": StrategyProfile(shard_optimizer=True, shard_grads=True, grad_comm="reduce_scatter",
-                                param_comm="all_gather_after_step"),
-    "fsdp": StrategyProfile(shard_params=True, shard_grads=True, shard_optimizer=True, grad_comm="reduce_scatter",
-                            param_comm="all_gather_per_layer", overlaps=True),
-    "torch_ddp": StrategyProfile(grad_comm="all_reduce", bucketed=True, overlaps=True, persistent_grad_buffer=True),
-    "torch_fsdp2": StrategyProfile(shard_params=True, shard_grads=True, shard_optimizer=True,
-                                   grad_comm="reduce_scatter", param_comm="all_gather_per_layer", overlaps=True,
-                                   mixed_precision_params=True),
-}
-
-
-def strategy_name(cfg: DictConfig) -> str:
-    """The strategy's `name` (from its class, without instantiating it)."""
-    pcfg = cfg.parallelism
-    if "name" in pcfg and pcfg.name:
-        return str(pcfg.name)
-    from hydra.utils import get_class
-
-    name = str(getattr(get_class(pcfg._target_), "name", pcfg._target_.rsplit(".", 1)[-1]))
-    if name == "zero1" and pcfg.get("grad_reduction", "all_reduce") == "reduce_scatter":
-        name = "zero1_rs"  # one class, named per instance
-    return name
 
 
 # ---- the plan ------------------------------------------------------------------------------------
 @dataclass
 class Collective:
-    name: str          # all_reduce | reduce_scatter | all_gather
-    what: str          # gradients | parameters
-    bytes: int         # payload per call (the full, unsharded tensor size for all-gather / reduce-scatter)
-    calls: int         # per optimizer step
+    """One kind of collective per optimizer step, with its predicted time."""
+
+    name: str            # all_reduce | reduce_scatter | all_gather
+    what: str            # gradients | parameters
+    bytes_per_step: int  # summed over calls (the full, unsharded size for all-gather / reduce-scatter)
+    calls: int           # per optimizer step
+    ranks: int           # ranks in each group that runs it
     ms: float = float("nan")
     overlappable: bool = False
-
-    @property
-    def bytes_per_step(self) -> int:
-        return self.bytes * self.calls
 
 
 @dataclass
@@ -263,7 +141,8 @@ class Plan:
     collectives: list[Collective]
     device: Optional[str]
     device_note: str
-    device_memory_gib: Optional[float]
+    device_memory_gib: Optional[float]  # per device; on the CPU, what the whole machine has available
+    ranks_per_memory: int        # ranks sharing that memory (the CPU: every rank of the job)
     time_ms: dict[str, float]    # compute parts, comm, exposed comm, step
     step_time_ms: Optional[float]
     tokens_per_s: Optional[float]
@@ -276,7 +155,6 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["collectives"] = [{**dataclasses.asdict(c), "bytes_per_step": c.bytes_per_step} for c in self.collectives]
         d["peak_mem_gib"] = self.peak_gib
         d["memory_gib"] = {k: v / GIB for k, v in self.memory.items()}
         d["comm_bytes_per_step"] = sum(c.bytes_per_step for c in self.collectives)
@@ -284,28 +162,40 @@ class Plan:
         d["exposed_comm_ms"] = self.time_ms.get("exposed_comm_ms")
         return _finite(d)
 
-    def check_fits(self) -> None:
-        """Raise `ConfigError` when the predicted peak does not fit the device, naming the number that overflows."""
+    def check_fits(self, cfg: Optional[DictConfig] = None) -> None:
+        """Raise `ConfigError` when the predicted peak does not fit the device's memory (the CPU: what the machine
+        has available, shared by every rank), naming the keys that set it and the fixes.
+        `planner.check_fit=false` in `cfg` skips the check."""
+        if cfg is not None and OmegaConf.select(cfg, "planner.check_fit", default=True) is False:
+            return
         if self.device_memory_gib is None or not math.isfinite(self.device_memory_gib):
             return
-        if self.peak_gib <= self.device_memory_gib:
+        need = self.peak_gib * self.ranks_per_memory
+        if need <= self.device_memory_gib:
             return
         parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(self.memory.items(), key=lambda kv: -kv[1]) if v)
         fixes = []
         if self.checkpointed_blocks == 0:
-            fixes.append("activation_checkpointing=1")
+            fixes.append("activation_checkpointing=1" + (" with parallelism=torch_fsdp2 (our fsdp cannot recompute)"
+                                                          if self.strategy == "fsdp" else ""))
         if self.strategy not in ("fsdp", "torch_fsdp2"):
-            fixes.append("a sharded strategy (parallelism=fsdp or zero1)")
-        fixes.append("a smaller train.batch_size or more train.grad_accum_steps")
-        raise ConfigError("memory", f"{self.model} with {self.strategy} on {self.mesh} needs a predicted "
-                          f"{self.peak_gib:.1f} GiB per rank at {self.peak_moment} but {self.device} has "
-                          f"{self.device_memory_gib:.1f} GiB ({parts} GiB)", "; or ".join(fixes))
+            fixes.append("a sharded strategy (parallelism=fsdp, torch_fsdp2 or zero1) over more ranks")
+        fixes += ["a smaller train.batch_size or more train.grad_accum_steps", "a smaller model=",
+                  "planner.device=... if the run is meant for another device",
+                  "++planner.check_fit=false to run anyway"]
+        ranks = f" x {self.ranks_per_memory} ranks" if self.ranks_per_memory > 1 else ""
+        raise ConfigError("model/precision/mesh", f"model={self.model} precision={self.precision} "
+                          f"parallelism={self.strategy} mesh={self.mesh} needs a predicted {self.peak_gib:.1f} GiB "
+                          f"per rank{ranks} at {self.peak_moment} but {self.device} has {self.device_memory_gib:.1f} "
+                          f"GiB{' available' if self.device == 'cpu' else ''} ({parts} GiB per rank)",
+                          "; or ".join(fixes))
 
     def format(self) -> str:
         g = lambda b: f"{b / GIB:8.2f} GiB" if b >= GIB / 10 else f"{b / 2**20:8.2f} MiB"  # noqa: E731
         lines = [
             f"plan: {self.model} ({self.params / 1e6:.1f}M params) | {self.strategy} on {self.mesh} "
-            f"(world {self.world_size}) | {self.precision} | device {self.device_note}",
+            f"(world {self.world_size}) | {self.precision}",
+            f"  device: {self.device_note}",
             f"  tokens/step {self.tokens_per_step:,} = dp {self.dp} x micro-batch {self.micro_batch} x "
             f"accum {self.grad_accum} x seq {self.seq_len}; checkpointed blocks {self.checkpointed_blocks}",
             f"  model FLOPs/step {self.model_flops_per_step / 1e12:10.3f} TFLOP   (6N + 12LdT, all ranks)",
@@ -319,14 +209,16 @@ class Plan:
         lines.append(f"    {'activations (ckpt every)':<24}{g(self.activations_with_ckpt)}")
         for k, v in self.moments.items():
             lines.append(f"    at {k:<21}{g(v)}")
-        cap = f" of {self.device_memory_gib:.1f} GiB" if self.device_memory_gib and math.isfinite(
-            self.device_memory_gib) else ""
+        cap = ""
+        if self.device_memory_gib and math.isfinite(self.device_memory_gib):
+            shared = f" x {self.ranks_per_memory} ranks" if self.ranks_per_memory > 1 else ""
+            cap = f"{shared} of {self.device_memory_gib:.1f} GiB{' available' if self.device == 'cpu' else ''}"
         lines.append(f"    {'PEAK':<24}{g(self.peak_bytes)}{cap} ({self.peak_moment})")
         if self.collectives:
             lines.append("  communication per step:")
             for c in self.collectives:
                 lines.append(f"    {c.name:<15}{c.what:<11}{c.bytes_per_step / 1e9:9.3f} GB in {c.calls:4d} calls "
-                             f"{c.ms:9.2f} ms{' (overlappable)' if c.overlappable else ''}")
+                             f"over {c.ranks} ranks {c.ms:9.2f} ms{' (overlappable)' if c.overlappable else ''}")
         if self.step_time_ms is not None:
             lines.append("  time per step (roofline):")
             for k, v in self.time_ms.items():
@@ -358,21 +250,6 @@ def linear_shapes(m) -> list[tuple[str, int, int]]:
                 (f"blocks.{i}.attn.output_proj", m.n_heads * e, d),
                 (f"blocks.{i}.ffn.w1", d, f), (f"blocks.{i}.ffn.w3", d, f), (f"blocks.{i}.ffn.w2", f, d)]
     out.append(("lm_head", d, m.vocab_size))
-    return out
-
-
-def param_tensors(m) -> list[tuple[str, int]]:
-    """(name, numel) of every parameter in `TransformerLM.parameters()` order."""
-    d = m.d_model
-    out = [("token_embeddings.weight", m.vocab_size * d)]
-    lin = {n: i * o for n, i, o in linear_shapes(m)}
-    for i in range(m.n_layers):
-        p = f"blocks.{i}."
-        out += [(p + "ln1.weight", d)]
-        out += [(p + f"attn.{k}.weight", lin[p + f"attn.{k}"]) for k in ("qkv_proj", "output_proj")]
-        out += [(p + "ln2.weight", d)]
-        out += [(p + f"ffn.{k}.weight", lin[p + f"ffn.{k}"]) for k in ("w1", "w2", "w3")]
-    out += [("final_norm.weight", d), ("lm_head.weight", lin["lm_head"])]
     return out
 
 
@@ -436,24 +313,6 @@ def optimizer_state_bytes_per_param(cfg: DictConfig) -> tuple[int, int, str]:
     return 8, 28, name
 
 
-def bucket_layout(m, bucket_mb: float, first_bucket_mb: Optional[float]) -> list[list[int]]:
-    """Parameter sizes (bytes, fp32) per bucket, built like `core.distributed.ddp.BucketedDDP`."""
-    sizes = [n * 4 for _, n in reversed(param_tensors(m))]
-    cap_all = int(bucket_mb * 2**20)
-    cap_first = cap_all if first_bucket_mb is None else min(cap_all, int(first_bucket_mb * 2**20))
-    buckets: list[list[int]] = []
-    cur: list[int] = []
-    for s in sizes:
-        cap = cap_first if not buckets else cap_all
-        if cur and sum(cur) + s > cap:
-            buckets.append(cur)
-            cur = []
-        cur.append(s)
-    if cur:
-        buckets.append(cur)
-    return buckets
-
-
 def ring_ms(kind: str, nbytes: float, p: int, busbw_gbps: float, latency_us: float) -> float:
     """Ring collective time: all-reduce moves 2(p-1)/p of the buffer per rank, all-gather and
     reduce-scatter (p-1)/p of the full buffer; bus bandwidth as nccl-tests reports it."""
@@ -464,291 +323,283 @@ def ring_ms(kind: str, nbytes: float, p: int, busbw_gbps: float, latency_us: flo
 
 
 # ---- plan() ------------------------------------------------------------------------------------
-def _model_cfg(cfg: DictConfig):
+def _strategy(cfg: DictConfig) -> Strategy:
     from hydra.utils import instantiate
 
-    return instantiate(cfg.model)
+    return instantiate(cfg.parallelism)
 
 
-def _mesh(cfg: DictConfig):
+def model_layout(m) -> ModelLayout:
+    """The parameter layout of `TransformerLM(m)`, read off a meta-device instance (no memory)."""
+    import torch
+
+    from core.model import TransformerLM
+
+    with torch.device("meta"):
+        return ModelLayout.of(TransformerLM(m))
+
+
+@dataclass
+class Job:
+    """What the planner reads from a config: model, mesh, strategy and the shape of one step."""
+
+    model: Any                 # core.model.ModelConfig
+    mesh: Any                  # core.distributed.mesh.ParallelMesh
+    strategy: Strategy
+    layout: ModelLayout
+    global_batch: int          # sequences per optimizer step, all ranks
+    micro_batch: int           # sequences per rank per micro-step
+    seq_len: int
+    grad_accum: int
+    precision: str             # fp32 | bf16 | fp16
+    compute_dtype: str         # the dtype matmuls run in: bf16 | fp16 | tf32 | fp32
+    checkpointed_blocks: int
+    compiled: bool
+
+    @property
+    def autocast(self) -> bool:
+        return self.precision in ("bf16", "fp16")
+
+    @property
+    def linear_numel(self) -> int:
+        return sum(self.layout.linear_weights)
+
+    @property
+    def block_linear_numel(self) -> int:
+        return sum(i * o for n, i, o in linear_shapes(self.model) if n.startswith("blocks.0."))
+
+
+def read_job(cfg: DictConfig) -> Job:
     from hydra.utils import instantiate
 
-    return instantiate(cfg.mesh)
-
-
-def plan(cfg: DictConfig) -> Plan:
-    """Predict memory, communication and step time for the composed config `cfg` (touches no GPU)."""
-    m = _model_cfg(cfg)
-    mesh = _mesh(cfg)
-    sname = strategy_name(cfg)
-    prof = PROFILES.get(sname)
-    notes: list[str] = []
-    if prof is None:
-        prof = PROFILES["none"] if mesh.world_size == 1 else PROFILES["ddp_bucketed"]
-        notes.append(f"strategy {sname!r} has no planner profile; predicted as "
-                     f"{'none' if mesh.world_size == 1 else 'ddp_bucketed'}")
-    world, dp = mesh.world_size, mesh.dp_size
-    unmodelled = [f"{a}={getattr(mesh, a)}" for a in ("pp", "cp", "tp") if getattr(mesh, a) > 1]
-    if unmodelled:
-        notes.append(f"{', '.join(unmodelled)}: not modelled; the plan treats the mesh as data-parallel "
-                     f"{mesh.dp_size} (memory and communication of those axes are missing)")
-    par = lambda key, default=None: OmegaConf.select(cfg, f"parallelism.{key}", default=default)  # noqa: E731
-    low = ("bfloat16", "bf16", "float16", "fp16", "half")
-    if prof.shard_params:
-        # gathers in the compute dtype (FSDP2 MixedPrecisionPolicy / our compute_dtype): autocast finds bf16
-        # weights and keeps no copies of its own. Our fsdp's saved-tensor hook drops gathered weights either way.
-        prof = dataclasses.replace(prof, mixed_precision_params=str(par("compute_dtype")) in low or sname == "fsdp")
-    grad_comm_bytes = 2 if str(par("reduce_dtype", par("comm_dtype"))) in low else 4
-    # ddp_bucketed / zero1 compute_dtype: the Linear layers run on persistent bf16 copies (autocast then makes
-    # none of its own) and their bf16 gradients are all-reduced as they are
-    bf16_leaves = sname in ("ddp_bucketed", "zero1") and str(par("compute_dtype")) in low and world > 1
-    if bf16_leaves:
-        prof = dataclasses.replace(prof, mixed_precision_params=True)
-        grad_comm_bytes = 2
-    # our fsdp gathers one transformer block per collective (group_by=block) or one weight (group_by=weight)
-    fsdp_blocks = sname == "fsdp" and str(par("group_by", "block")) == "block"
-    if world == 1:
-        prof = PROFILES["none"] if not prof.persistent_grad_buffer else prof
-
+    m = instantiate(cfg.model)
+    mesh = instantiate(cfg.mesh)
+    dp = mesh.dp_size
     seq = int(OmegaConf.select(cfg, "data.seq_len", default=m.context_length) or m.context_length)
     gbs = int(cfg.train.batch_size)
     accum = int(OmegaConf.select(cfg, "train.grad_accum_steps", default=1) or 1)
     require(gbs % (dp * accum) == 0, "train.batch_size",
             f"{gbs} sequences do not split over dp={dp} ranks x {accum} micro-steps",
             f"make train.batch_size a multiple of {dp * accum}")
-    mb = gbs // (dp * accum)
     prec = str(OmegaConf.select(cfg, "precision.dtype", default="fp32"))
-    autocast = prec in ("bf16", "fp16")
     tf32 = bool(OmegaConf.select(cfg, "precision.tf32", default=True))
-    compute_dtype = prec if autocast else ("tf32" if tf32 else "fp32")
     every = int(OmegaConf.select(cfg, "activation_checkpointing", default=0) or 0)
-    n_ck = checkpointed_count(m.n_layers, every)
-    compiled = bool(OmegaConf.select(cfg, "compile", default=False))
+    return Job(model=m, mesh=mesh, strategy=_strategy(cfg), layout=model_layout(m), global_batch=gbs,
+               micro_batch=gbs // (dp * accum), seq_len=seq, grad_accum=accum, precision=prec,
+               compute_dtype=prec if prec in ("bf16", "fp16") else ("tf32" if tf32 else "fp32"),
+               checkpointed_blocks=checkpointed_count(m.n_layers, every),
+               compiled=bool(OmegaConf.select(cfg, "compile", default=False)))
 
-    # ---- counts ----
-    N = m.num_params()
-    lin = linear_shapes(m)
-    n_lin = sum(i * o for _, i, o in lin)
-    block_lin = sum(i * o for n, i, o in lin if n.startswith("blocks.0."))
-    block_params = block_lin + 2 * m.d_model
-    shard = lambda n, on: int(math.ceil(n / dp)) if on and dp > 1 else n  # noqa: E731
-    fl = matmul_flops(m, mb, seq)
-    micro_steps_all_ranks = dp * accum
-    matmul_step = (fl["forward"] + fl["backward"]) * micro_steps_all_ranks
-    blk_fwd = (fl["linear_forward"] - 2 * mb * seq * m.d_model * m.vocab_size) / m.n_layers \
-        + fl["attention_forward"] / m.n_layers
-    recompute = n_ck * blk_fwd * micro_steps_all_ranks
-    try:
-        from core.metrics import model_flops_per_token
 
-        causal = bool(OmegaConf.select(cfg, "metrics.causal_attention_flops", default=False))
-        model_flops = model_flops_per_token(m, seq, causal) * gbs * seq
-    except ImportError:  # pragma: no cover
-        model_flops = (6.0 * N + 12 * m.n_layers * m.d_model * seq) * gbs * seq
+def _per_rank(n: int, ways: int) -> int:
+    return -(-n // ways)
 
-    # ---- memory per rank ----
-    st_bytes, opt_traffic, opt_name = optimizer_state_bytes_per_param(cfg)
-    params_b = 4 * shard(N, prof.shard_params)
-    grads_b = 4 * shard(N, prof.shard_grads)
-    opt_b = st_bytes * shard(N, prof.shard_optimizer)
-    act_full = activation_bytes(m, mb, seq, autocast, 0)
-    act_ck = activation_bytes(m, mb, seq, autocast, checkpointed_count(m.n_layers, every or 1))
-    act = activation_bytes(m, mb, seq, autocast, n_ck)
+
+@dataclass
+class MemoryPrediction:
+    components: dict[str, int]   # per rank, by component
+    moments: dict[str, int]      # per rank total at end_of_forward, end_of_backward, optimizer_step
+    activations_no_ckpt: int
+    activations_with_ckpt: int
+
+
+def predict_memory(job: Job, prof: StrategyProfile, cfg: DictConfig) -> MemoryPrediction:
+    """Bytes per rank by component, and at each moment a step can peak."""
+    m, mb, seq = job.model, job.micro_batch, job.seq_len
+    N = job.layout.numel
+    st_bytes, opt_traffic, _ = optimizer_state_bytes_per_param(cfg)
+    params_b = 4 * _per_rank(N, prof.shard_degree(job.mesh, "params"))
+    grads_b = 4 * _per_rank(N, prof.shard_degree(job.mesh, "grads"))
+    opt_local = _per_rank(N, prof.shard_degree(job.mesh, "optimizer"))
+    opt_b = st_bytes * opt_local
+    every = int(OmegaConf.select(cfg, "activation_checkpointing", default=0) or 0)
+    act_full = activation_bytes(m, mb, seq, job.autocast, 0)
+    act_ck = activation_bytes(m, mb, seq, job.autocast, checkpointed_count(m.n_layers, every or 1))
+    act = activation_bytes(m, mb, seq, job.autocast, job.checkpointed_blocks)
     BTV = mb * seq * m.vocab_size
-    loss_transient = (2 if autocast else 0) * BTV + 4 * BTV  # logits (compute dtype) + their fp32 copy
-
+    loss_transient = (2 if job.autocast else 0) * BTV + 4 * BTV  # logits (compute dtype) + their fp32 copy
     # autocast's low-precision weight copies: the cache holds every cast weight until autocast exits
     # (end of forward); autograd keeps those of non-checkpointed blocks (and lm_head) until their backward.
-    if autocast and not prof.mixed_precision_params:
-        wcopy_fwd = 2 * n_lin
-        wcopy_saved = 2 * (n_lin - n_ck * block_lin)
+    if job.autocast and prof.autocast_weight_copies:
+        wcopy_fwd = 2 * job.linear_numel
+        wcopy_saved = 2 * (job.linear_numel - job.checkpointed_blocks * job.block_linear_numel)
     else:
         wcopy_fwd = wcopy_saved = 0
-    # parameters all-gathered for the layers in flight (FSDP: current + prefetched block, plus the root's
-    # embedding/lm_head, which stay unsharded between forward and backward)
-    gather_b = 0
-    gather_dtype_bytes = 2 if str(par("compute_dtype")) in low else 4
-    if prof.shard_params and dp > 1:
-        if fsdp_blocks:  # the running block (or embedding / lm_head) + `prefetch` in flight
-            gather_b = gather_dtype_bytes * (int(par("prefetch", 1)) + 1) * max(block_params, m.vocab_size * m.d_model)
-        elif sname == "fsdp":  # one weight per unit: the running unit + `prefetch` in flight
-            gather_b = gather_dtype_bytes * (int(par("prefetch", 1)) + 1) * max(i * o for _, i, o in lin)
-        else:  # fully_shard per block: current + prefetched block, plus the root's embedding/lm_head
-            gather_b = gather_dtype_bytes * (2 * block_params + 2 * m.vocab_size * m.d_model)
-    comm_buf = 0
-    grads_in_buffer = False
-    if prof.persistent_grad_buffer and world > 1:
-        comm_buf = 4 * N  # torch DDP's buckets, allocated at wrap time and kept
-        grads_in_buffer = bool(par("gradient_as_bucket_view", True))  # then .grad are views into them
-    elif prof.bucketed and world > 1 and sname == "ddp_bucketed":
-        bmb = float(OmegaConf.select(cfg, "parallelism.bucket_size_mb", default=25.0))
-        first = OmegaConf.select(cfg, "parallelism.first_bucket_size_mb", default=1.0)
-        comm_buf = sum(sum(b) for b in bucket_layout(m, bmb, first) if len(b) > 1)
-    elif sname in ("zero1", "zero1_rs") and world > 1:
-        if sname == "zero1":
-            bmb = float(par("bucket_size_mb", 25.0))
-            comm_buf = sum(sum(b) for b in bucket_layout(m, bmb, par("first_bucket_size_mb", 1.0)) if len(b) > 1)
-    static = params_b + opt_b + comm_buf + (2 * n_lin if bf16_leaves else 0)
-    grads_during_fwd = grads_b if accum > 1 else 0
+    gather_b = prof.gathered_param_bytes
+    static = params_b + opt_b + prof.comm_buffer_bytes + prof.compute_copy_bytes
+    grads_during_fwd = grads_b if job.grad_accum > 1 else 0  # earlier micro-steps' gradients
     end_fwd = static + grads_during_fwd + gather_b + max(wcopy_fwd + act, wcopy_saved + act + loss_transient)
-    # end of backward: every gradient exists; FSDP's full-size gradient of one block before reduce-scatter
-    bwd_transient = 0
-    if prof.flat_transient and world > 1:
-        bwd_transient = 4 * N
-    if prof.shard_grads and dp > 1:
-        # full-size gradients exist until reduce-scattered: per unit for FSDP, all of them for ZeRO-1 rs
-        bwd_transient = 4 * N if not prof.shard_params else 4 * block_params * 2
-    # the first block's backward still holds its recompute/activations (small); lm_head grads bf16 copy
-    grads_extra = 0 if grads_in_buffer else grads_b
-    end_bwd = static + grads_extra + bwd_transient + gather_b
-    opt_transient = 0 if opt_traffic <= 28 else 4 * shard(N, prof.shard_optimizer)  # foreach intermediates
-    zero_gather = 0
-    if prof.param_comm == "all_gather_after_step" and dp > 1:
-        zero_gather = min(4 * N, int(float(par("gather_bucket_mb", 256)) * 2**20))  # all-gather rounds' buffer
-    opt_step = static + grads_extra + opt_transient + zero_gather
-    moments = {"end_of_forward": int(end_fwd), "end_of_backward": int(end_bwd), "optimizer_step": int(opt_step)}
-    peak_moment = max(moments, key=moments.get)
-    memory = {"parameters": params_b, "gradients": grads_b, "optimizer_state": opt_b, "activations": act,
-              "autocast_weight_copies": wcopy_fwd, "gathered_parameters": gather_b, "comm_buffers": comm_buf,
-              "transients": max(loss_transient, bwd_transient, opt_transient)}
+    grads_extra = 0 if prof.grads_in_comm_buffer else grads_b
+    end_bwd = static + grads_extra + prof.backward_transient_bytes + gather_b
+    opt_transient = 0 if opt_traffic <= 28 else 4 * opt_local  # foreach intermediates
+    opt_step = static + grads_extra + opt_transient + prof.step_transient_bytes
+    return MemoryPrediction(
+        components={"parameters": params_b, "gradients": grads_b, "optimizer_state": opt_b, "activations": act,
+                    "autocast_weight_copies": wcopy_fwd, "compute_weight_copies": prof.compute_copy_bytes,
+                    "gathered_parameters": gather_b, "comm_buffers": prof.comm_buffer_bytes,
+                    "transients": max(loss_transient, prof.backward_transient_bytes, opt_transient,
+                                      prof.step_transient_bytes)},
+        moments={"end_of_forward": int(end_fwd), "end_of_backward": int(end_bwd), "optimizer_step": int(opt_step)},
+        activations_no_ckpt=act_full, activations_with_ckpt=act_ck)
 
-    # ---- communication per step ----
-    spec, dev_note = device_spec(cfg)
-    colls: list[Collective] = []
-    if dp > 1:
-        n_tensors = len(param_tensors(m))
-        if prof.grad_comm == "all_reduce":
-            if prof.per_tensor:
-                colls.append(Collective("all_reduce", "gradients", grad_comm_bytes * N // n_tensors, n_tensors,
-                                        overlappable=prof.overlaps))
-            elif prof.bucketed:
-                nb = len(bucket_layout(m, float(OmegaConf.select(cfg, "parallelism.bucket_size_mb", default=25.0)),
-                                       OmegaConf.select(cfg, "parallelism.first_bucket_size_mb", default=1.0)))
-                colls.append(Collective("all_reduce", "gradients", grad_comm_bytes * N // nb, nb,
-                                        overlappable=prof.overlaps))
-            else:
-                colls.append(Collective("all_reduce", "gradients", grad_comm_bytes * N, 1))
-        elif prof.grad_comm == "reduce_scatter":
-            units = ((len(lin) + 1) if sname == "fsdp" else (m.n_layers + 1)) if prof.shard_params else 1
-            calls = units * accum if prof.shard_params else 1
-            colls.append(Collective("reduce_scatter", "gradients", grad_comm_bytes * N // units, calls,
-                                    overlappable=prof.overlaps))
-        if prof.param_comm == "all_gather_after_step":
-            colls.append(Collective("all_gather", "parameters", 4 * N, 1))
-        elif prof.param_comm == "all_gather_per_layer":
-            units = (len(lin) + 1) if sname == "fsdp" and not fsdp_blocks else (m.n_layers + 1)
-            calls = 2 * units * accum  # forward and backward, every micro-step
-            colls.append(Collective("all_gather", "parameters", gather_dtype_bytes * N // units, calls,
-                                    overlappable=True))
-        if accum > 1 and prof.grad_comm != "none" and not prof.shard_params:
-            pass  # no_sync: gradients reduced on the last micro-step only
 
-    # ---- time ----
+def predict_communication(job: Job, prof: StrategyProfile, spec: Optional[DeviceSpec]) -> list[Collective]:
+    """The strategy's collectives per step, each timed on a ring when the device's bandwidths are known."""
+    colls = []
+    for c in prof.collectives:
+        ranks = axes_degree(job.mesh, c.axes)
+        coll = Collective(c.name, c.what, c.bytes_per_step, c.calls, ranks, overlappable=c.overlappable)
+        if spec is not None and spec.has_ceilings:
+            nodes = max(1, math.ceil(job.mesh.world_size / spec.devices_per_node))
+            busbw = spec.intra_busbw_gbps if nodes == 1 else spec.inter_busbw_gbps
+            coll.ms = ring_ms(c.name, c.bytes_per_step / max(c.calls, 1), ranks, busbw,
+                              spec.collective_latency_us) * c.calls
+        colls.append(coll)
+    return colls
+
+
+def predict_time(job: Job, prof: StrategyProfile, colls: list[Collective], spec: DeviceSpec,
+                 cfg: DictConfig) -> dict[str, float]:
+    """The roofline step time, its parts and the exposed communication (ms); the device must have ceilings."""
+    m, mb, seq, accum = job.model, job.micro_batch, job.seq_len, job.grad_accum
+    N, dp = job.layout.numel, job.mesh.dp_size
+    _, opt_traffic, _ = optimizer_state_bytes_per_param(cfg)
+    fl = matmul_flops(m, mb, seq)
+    n_ck = job.checkpointed_blocks
+    blk_fwd = (fl["linear_forward"] - 2 * mb * seq * m.d_model * m.vocab_size) / m.n_layers \
+        + fl["attention_forward"] / m.n_layers
+    peak = spec.matmul_tflops.get(job.compute_dtype, spec.matmul_tflops.get("fp32")) * 1e12
+    bw = spec.hbm_gbps * 1e9
+    lin_fl = fl["linear_forward"] * 3
+    attn_fl = fl["attention_forward"] * 3 * 0.5  # causal kernels skip the masked half
+    matmul_ms = (lin_fl + n_ck * blk_fwd) / peak * 1e3 * accum
+    attn_ms = attn_fl / (peak * spec.attention_efficiency) * 1e3 * accum
+    # elementwise traffic per block (bytes per BTD / BTF element, forward; backward ~2x):
+    # norms 56, linear-input casts 18 (autocast), RoPE 32, residual adds 20, transposes 4; SwiGLU 10/BTF
+    btd, btf = mb * seq * m.d_model, mb * seq * m.d_ff
+    fwd_elem = (130 if job.autocast else 112) * btd + 10 * btf
+    elem_bytes = m.n_layers * fwd_elem * 3 + n_ck * fwd_elem + 30 * mb * seq * m.vocab_size
+    wcast = 0
+    if job.autocast:
+        n_lin = job.linear_numel
+        # weights fp32->bf16 each forward, weight grads bf16->fp32 each backward; a strategy that casts its
+        # own copies (sharded or compute_dtype) casts its shard once and the gradients up for the reduction
+        wcast = 6 * n_lin * 2 if prof.autocast_weight_copies else 6 * _per_rank(n_lin, dp) + 6 * n_lin
+    if job.compiled:
+        elem_bytes *= 0.4
+    elem_ms = (elem_bytes + wcast) / bw * 1e3 * accum
+    opt_ms = (opt_traffic * _per_rank(N, prof.shard_degree(job.mesh, "optimizer"))
+              + 12 * _per_rank(N, prof.shard_degree(job.mesh, "grads"))) / bw * 1e3  # step + clip (norm, scale)
+    kernels = m.n_layers * (170 if not job.compiled else 40) * accum + 50
+    floor_ms = kernels * spec.kernel_floor_us / 1e3
+    compute_ms = matmul_ms + attn_ms + elem_ms + opt_ms + floor_ms + prof.copy_bytes_per_step / bw * 1e3
+    comm_ms = sum(c.ms for c in colls)
+    # an overlapped collective runs beside compute: the compute stream waits only for what compute
+    # cannot cover (at least the last call); the covered part still slows compute by (1 - efficiency)
+    exposed = slowdown = 0.0
+    cover = matmul_ms + attn_ms + elem_ms  # forward and backward compute (FSDP gathers overlap both)
+    for c in colls:
+        if c.overlappable:
+            last = c.ms / max(c.calls, 1)
+            covered = min(c.ms - last, cover)
+            cover -= covered
+            exposed += c.ms - covered
+            slowdown += (1 - spec.overlap_efficiency) * covered
+        else:
+            exposed += c.ms
+    return {"matmul_ms": matmul_ms, "attention_ms": attn_ms, "elementwise_ms": elem_ms, "optimizer_ms": opt_ms,
+            "kernel_floor_ms": floor_ms, "compute_ms": compute_ms, "comm_ms": comm_ms, "exposed_comm_ms": exposed,
+            "overlap_slowdown_ms": slowdown, "step_ms": compute_ms + exposed + slowdown}
+
+
+def plan(cfg: DictConfig) -> Plan:
+    """Predict memory, communication and step time for the composed config `cfg` (touches no GPU)."""
+    job = read_job(cfg)
+    m, mesh = job.model, job.mesh
+    prof = job.strategy.profile(mesh, job.layout, job.grad_accum)
+    notes: list[str] = []
+    if type(job.strategy).profile is Strategy.profile and job.strategy.data_parallel and mesh.dp_size > 1:
+        notes.append(f"strategy {job.strategy.name!r} does not describe itself (Strategy.profile): "
+                     "planned without sharding or communication")
+    memory = predict_memory(job, prof, cfg)
+    spec, dev_note = device_spec(cfg, mesh.world_size)
+    colls = predict_communication(job, prof, spec)
+    fl = matmul_flops(m, job.micro_batch, job.seq_len)
+    micro_steps = mesh.dp_size * job.grad_accum  # all ranks
+    blk_fwd = (fl["linear_forward"] - 2 * job.micro_batch * job.seq_len * m.d_model * m.vocab_size) / m.n_layers \
+        + fl["attention_forward"] / m.n_layers
+    from core.metrics import model_flops_per_token
+
+    causal = bool(OmegaConf.select(cfg, "metrics.causal_attention_flops", default=False))
+    tokens = job.global_batch * job.seq_len
+    model_flops = model_flops_per_token(m, job.seq_len, causal) * tokens
     time_ms: dict[str, float] = {}
     step_ms = tps = mfu = None
-    dev_mem = None
-    if spec is not None:
-        dev_mem = spec.memory_gib
-        nodes = max(1, math.ceil(world / spec.gpus_per_node)) if spec.name != "cpu" else 1
-        busbw = spec.intra_busbw_gbps if nodes == 1 else spec.inter_busbw_gbps
-        for c in colls:
-            c.ms = c.calls * ring_ms(c.name, c.bytes, dp, busbw, spec.collective_latency_us)
-        peak = spec.matmul_tflops.get(compute_dtype, spec.matmul_tflops.get("fp32")) * 1e12
-        bw = spec.hbm_gbps * 1e9
-        per_rank_micro = accum
-        lin_fl = fl["linear_forward"] * 3
-        attn_fl = fl["attention_forward"] * 3 * 0.5  # causal kernels skip the masked half
-        rec_fl = n_ck * blk_fwd
-        matmul_ms = (lin_fl + rec_fl) / peak * 1e3 * per_rank_micro
-        attn_ms = attn_fl / (peak * spec.attention_efficiency) * 1e3 * per_rank_micro
-        # elementwise traffic per block (bytes per BTD / BTF element, forward; backward ~2x):
-        # norms 56, linear-input casts 18 (autocast), RoPE 32, residual adds 20, transposes 4; SwiGLU 10/BTF
-        btd, btf = mb * seq * m.d_model, mb * seq * m.d_ff
-        fwd_elem = (130 if autocast else 112) * btd + 10 * btf
-        elem_bytes = m.n_layers * fwd_elem * 3 + n_ck * fwd_elem + 30 * BTV
-        wcast = 0
-        if autocast:
-            wcast = 6 * n_lin * 2  # weights fp32->bf16 each forward, weight grads bf16->fp32 each backward
-            if prof.mixed_precision_params:
-                wcast = 6 * shard(n_lin, True) + 6 * n_lin  # cast the shard once; grads cast up for the fp32 reduce
-        if compiled:
-            elem_bytes *= 0.4
-        if prof.shard_params and not prof.mixed_precision_params and autocast:
-            wcast = 6 * n_lin * 2
-        elem_ms = (elem_bytes + wcast) / bw * 1e3 * per_rank_micro
-        n_local = shard(N, prof.shard_optimizer)
-        opt_ms = (opt_traffic * n_local + 12 * shard(N, prof.shard_grads)) / bw * 1e3  # step + clip (norm, scale)
-        kernels = m.n_layers * (170 if not compiled else 40) * per_rank_micro + 50
-        floor_ms = kernels * spec.kernel_floor_us / 1e3
-        compute_ms = matmul_ms + attn_ms + elem_ms + opt_ms + floor_ms
-        comm_ms = sum(c.ms for c in colls)
-        bwd_ms = (matmul_ms + attn_ms + elem_ms) * 2 / 3
-        # an overlapped collective runs beside compute: the compute stream waits only for what compute
-        # cannot cover (at least the last call); the covered part still slows compute by (1 - efficiency)
-        exposed = slowdown = 0.0
-        cover = bwd_ms * 3 / 2  # forward and backward compute (FSDP gathers overlap both)
-        for c in colls:
-            if c.overlappable:
-                last = c.ms / max(c.calls, 1)
-                covered = min(c.ms - last, cover)
-                cover -= covered
-                exposed += c.ms - covered
-                slowdown += (1 - spec.overlap_efficiency) * covered
-            else:
-                exposed += c.ms
-        if prof.flat_transient and world > 1:  # flatten + unflatten copies of every gradient
-            compute_ms += 16 * N / bw * 1e3
-        elif sname == "zero1_rs" and world > 1:  # gradients flattened into the reduce-scatter buffer
-            compute_ms += 8 * N / bw * 1e3
-        time_ms = {"matmul_ms": matmul_ms, "attention_ms": attn_ms, "elementwise_ms": elem_ms,
-                   "optimizer_ms": opt_ms, "kernel_floor_ms": floor_ms, "compute_ms": compute_ms,
-                   "comm_ms": comm_ms, "exposed_comm_ms": exposed, "overlap_slowdown_ms": slowdown}
-        step_ms = compute_ms + exposed + slowdown
-        time_ms["step_ms"] = step_ms
-        tps = gbs * seq / (step_ms / 1e3)
-        try:
-            from core.metrics import PEAK_TFLOPS
-
-            key = next((k for k in PEAK_TFLOPS if dev_note.startswith(k)), None)
-            if key is not None:
-                pk = PEAK_TFLOPS[key].get(compute_dtype)
-                mfu = model_flops / (step_ms / 1e3) / (pk * 1e12 * world) if pk else None
-        except ImportError:  # pragma: no cover
-            pass
+    if spec is not None and spec.has_ceilings:
+        time_ms = predict_time(job, prof, colls, spec, cfg)
+        step_ms = time_ms["step_ms"]
+        tps = tokens / (step_ms / 1e3)
+        pk = (spec.peak_tflops or {}).get(job.compute_dtype)
+        mfu = model_flops / (step_ms / 1e3) / (pk * 1e12 * mesh.world_size) if pk else None
+    elif spec is not None:
+        notes.append(f"{spec.name}: the device table has no measured ceilings for it, so no step-time prediction "
+                     "(planner.device_overrides can supply them)")
     else:
         notes.append(dev_note)
-    if autocast and not prof.mixed_precision_params:
+    if job.autocast and prof.autocast_weight_copies:
         notes.append("autocast keeps a bf16 copy of every linear weight until its backward "
-                     f"({2 * n_lin / GIB:.2f} GiB)")
-    return Plan(model=m.name, strategy=sname, mesh=mesh.describe(), world_size=world, dp=dp, precision=prec,
-                params=N, tokens_per_step=gbs * seq, micro_batch=mb, seq_len=seq, grad_accum=accum,
-                checkpointed_blocks=n_ck, model_flops_per_step=model_flops, matmul_flops_per_step=matmul_step,
-                recompute_flops_per_step=recompute, memory=memory, activations_no_ckpt=act_full,
-                activations_with_ckpt=act_ck, moments=moments, peak_bytes=max(moments.values()),
-                peak_moment=peak_moment, collectives=colls, device=None if spec is None else spec.name,
-                device_note=dev_note, device_memory_gib=dev_mem, time_ms=time_ms, step_time_ms=step_ms,
+                     f"({2 * job.linear_numel / GIB:.2f} GiB)")
+    peak_moment = max(memory.moments, key=memory.moments.get)
+    on_cpu = spec is not None and spec.name == "cpu"
+    return Plan(model=m.name, strategy=job.strategy.name, mesh=mesh.describe(), world_size=mesh.world_size,
+                dp=mesh.dp_size, precision=job.precision, params=job.layout.numel, tokens_per_step=tokens,
+                micro_batch=job.micro_batch, seq_len=job.seq_len, grad_accum=job.grad_accum,
+                checkpointed_blocks=job.checkpointed_blocks, model_flops_per_step=model_flops,
+                matmul_flops_per_step=(fl["forward"] + fl["backward"]) * micro_steps,
+                recompute_flops_per_step=job.checkpointed_blocks * blk_fwd * micro_steps,
+                memory=memory.components, activations_no_ckpt=memory.activations_no_ckpt,
+                activations_with_ckpt=memory.activations_with_ckpt, moments=memory.moments,
+                peak_bytes=max(memory.moments.values()), peak_moment=peak_moment, collectives=colls,
+                device=None if spec is None else spec.name, device_note=dev_note,
+                device_memory_gib=None if spec is None else spec.memory_gib,
+                ranks_per_memory=mesh.world_size if on_cpu else 1, time_ms=time_ms, step_time_ms=step_ms,
                 tokens_per_s=tps, mfu=mfu, notes=notes)
 
 
+# ---- prediction against measurement ------------------------------------------------------------------
+def relative_error(predicted: Any, measured: Any) -> Optional[float]:
+    """(predicted - measured) / measured: positive when the planner over-predicts. The one sign everywhere."""
+    if isinstance(predicted, (int, float)) and isinstance(measured, (int, float)) and measured:
+        return (predicted - measured) / measured
+    return None
+
+
+def measured_peak_memory_gib(summary: dict[str, Any]) -> Optional[float]:
+    """The run's peak tensor memory per rank (the GPU allocator's peak), or None on the CPU: there the only
+    figure is the process's RSS (interpreter, libraries, allocator caches), which is not tensor bytes."""
+    if str(summary.get("device", "cpu")) == "cpu" or "gpu_peak_allocated_gib" not in summary:
+        return None
+    return summary.get("peak_mem_gib")
+
+
 def predicted_vs_measured(plan_dict: dict[str, Any], summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Side-by-side numbers for the end of a run (and the sweep report)."""
-    pairs = {"step_time_ms": ("step_time_ms", "step_time_ms"), "tokens_per_s": ("tokens_per_s", "tokens_per_s"),
-             "peak_mem_gib": ("peak_mem_gib", "peak_mem_gib"), "mfu": ("mfu", "mfu"),
-             "comm_ms": ("comm_ms", "comm_ms"), "exposed_comm_ms": ("exposed_comm_ms", "exposed_comm_ms")}
+    """Side-by-side numbers for the end of a run (and the sweep report); error = `relative_error`."""
     out = {}
-    for k, (pk, mk) in pairs.items():
-        p, m = plan_dict.get(pk), summary.get(mk)
-        err = (m - p) / p if isinstance(p, (int, float)) and isinstance(m, (int, float)) and p else None
-        out[k] = {"predicted": p, "measured": m, "error": err}
+    for k in ("step_time_ms", "tokens_per_s", "peak_mem_gib", "mfu", "comm_ms", "exposed_comm_ms"):
+        p = plan_dict.get(k)
+        meas = measured_peak_memory_gib(summary) if k == "peak_mem_gib" else summary.get(k)
+        out[k] = {"predicted": p, "measured": meas, "error": relative_error(p, meas)}
     return out
 
 
 def format_comparison(plan_dict: dict[str, Any], summary: dict[str, Any]) -> str:
-    rows = ["predicted vs measured:"]
+    rows = ["predicted vs measured (error = (predicted - measured) / measured):"]
     for k, v in predicted_vs_measured(plan_dict, summary).items():
         f = lambda x: "-" if x is None else (f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}")  # noqa: E731
         e = "" if v["error"] is None else f"  ({v['error']:+.0%})"
         rows.append(f"  {k:<16}{f(v['predicted']):>14}{f(v['measured']):>14}{e}")
+    if measured_peak_memory_gib(summary) is None:
+        rows.append("  (peak memory is not measured on the CPU: process RSS is not tensor bytes)")
     return "\n".join(rows)
 
 
@@ -761,7 +612,3 @@ def plan_or_none(cfg: DictConfig) -> Optional[Plan]:
     except Exception as e:  # noqa: BLE001
         print(f"[scalelab] planner skipped: {type(e).__name__}: {e}", flush=True)
         return None
-
-
-if __name__ == "__main__":  # pragma: no cover
-    print("use: python train.py ... plan=true", file=os.sys.stderr)

@@ -21,6 +21,7 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 
 from core.errors import ConfigError
+from core.planner import relative_error
 
 MEASURED = [("tokens_per_s", "tokens/s"), ("mfu", "MFU"), ("step_time_ms", "step ms"),
             ("peak_mem_gib", "peak GiB"), ("exposed_comm_ms", "exposed comm ms"), ("final_loss", "final loss")]
@@ -75,10 +76,20 @@ def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
         p = row["plan"] = _plan_for(job, summary)
         for k, _ in PREDICTED:
             row["pred_" + k] = p.get(k) if p else None
-        row["strategy"] = summary.get("parallelism") or row["swept"].get("parallelism") or "?"
-        row["mesh"] = summary.get("mesh") or row["swept"].get("mesh") or "?"
+        row["strategy"] = row["swept"].get("parallelism") or summary.get("parallelism") or "?"
+        row["mesh"] = mesh_name(row["swept"], summary.get("mesh"))
+        row["device"] = summary.get("device")
         rows.append(row)
     return rows
+
+
+def mesh_name(swept: dict[str, str], described: Optional[str]) -> str:
+    """The mesh as the user typed it: the preset (`mesh=dp2`) and any `mesh.*` key overrides, else the run's own
+    name for it (`ParallelMesh.describe()`)."""
+    parts = [swept["mesh"]] if "mesh" in swept else []
+    parts += [f"{k.split('.', 1)[1]}={v}" for k, v in sorted(swept.items())
+              if k.startswith("mesh.") and k not in ("mesh.device", "mesh.timeout_s")]
+    return " ".join(parts) if parts else (described or "?")
 
 
 def _job_sort_key(job: Path, root: Path):
@@ -140,12 +151,16 @@ def prediction_errors(rows: list[dict[str, Any]]) -> list[str]:
     """Markdown lines: per finished point, (predicted - measured) / measured for step time and peak memory,
     and how many points fall within the planner's tolerances."""
     def err(r: dict[str, Any], k: str) -> Optional[float]:
-        pred, meas = r.get("pred_" + k), r.get(k)
-        return (pred - meas) / meas if pred is not None and meas else None
+        if k == "peak_mem_gib" and r.get("device") == "cpu":
+            return None  # the CPU's only figure is process RSS, not the tensor bytes the planner predicts
+        return relative_error(r.get("pred_" + k), r.get(k))
 
     done = [r for r in rows if r["status"] == "ok"]
+    cpu = any(r.get("device") == "cpu" for r in done)
     lines = ["## Prediction against measurement", "",
-             "Error = (predicted - measured) / measured.", "",
+             "Error = (predicted - measured) / measured (core.planner.relative_error)."
+             + (" Peak memory is not compared on the CPU: its measured figure is process RSS, not tensor bytes."
+                if cpu else ""), "",
              "| job | step ms pred / measured | error | peak GiB pred / measured | error |",
              "|---|---|---|---|---|"]
     within = {"step_time_ms": [], "peak_mem_gib": []}
@@ -189,46 +204,59 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
                         for v in line])
 
 
+def point_labels(rows: list[dict[str, Any]]) -> list[str]:
+    """Short names for plot legends and axes: the swept values that differ between points (mesh by its preset)."""
+    keys = sorted({k for r in rows for k in r["swept"]})
+    varying = [k for k in keys if len({r["swept"].get(k) for r in rows}) > 1 and not k.startswith("mesh")]
+    meshes = len({r["mesh"] for r in rows}) > 1
+    labels = []
+    for r in rows:
+        parts = ([r["mesh"]] if meshes else []) + [str(r["swept"].get(k, "-")) for k in varying]
+        labels.append(" | ".join(parts) or r["job"])
+    return labels
+
+
 def write_plots(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    label = lambda r: ", ".join(f"{k}={v}" for k, v in sorted(r["swept"].items())) or r["job"]  # noqa: E731
-    ok = [r for r in rows if r["status"] == "ok" and r["tokens_per_s"] and r["peak_mem_gib"] is not None]
     paths = []
-    fig, ax = plt.subplots(figsize=(7, 5))
-    for r in ok:
-        ax.scatter(r["peak_mem_gib"], r["tokens_per_s"], s=40)
-        ax.annotate(label(r), (r["peak_mem_gib"], r["tokens_per_s"]), fontsize=7, xytext=(4, 4),
-                    textcoords="offset points")
+    ok = [r for r in rows if r["status"] == "ok" and r["tokens_per_s"] and r["peak_mem_gib"] is not None]
+    # one colour per point, named in a legend beside the axes (labels written next to the points overlap)
+    fig, ax = plt.subplots(figsize=(10, 5.5), layout="constrained")
+    colours = plt.get_cmap("tab10" if len(ok) <= 10 else "tab20")
+    for i, (r, name) in enumerate(zip(ok, point_labels(ok))):
+        c = colours(i % colours.N)
+        ax.scatter(r["peak_mem_gib"], r["tokens_per_s"], s=50, color=c, label=name)
         if r["pred_peak_mem_gib"] is not None and r["pred_tokens_per_s"]:
-            ax.scatter(r["pred_peak_mem_gib"], r["pred_tokens_per_s"], marker="x", color="gray")
+            ax.scatter(r["pred_peak_mem_gib"], r["pred_tokens_per_s"], s=50, marker="x", color=c)
             ax.plot([r["peak_mem_gib"], r["pred_peak_mem_gib"]], [r["tokens_per_s"], r["pred_tokens_per_s"]],
-                    color="gray", lw=0.5, ls=":")
-    ax.set_xlabel("peak memory per rank (GiB)")
+                    color=c, lw=0.8, ls=":")
+    memory = "peak memory per rank (GiB)" + (": process RSS on the CPU" if any(r.get("device") == "cpu" for r in ok)
+                                              else "")
+    ax.set_xlabel(memory)
     ax.set_ylabel("tokens / s")
-    ax.set_title("throughput against peak memory (o measured, x predicted)")
+    ax.set_title("Throughput against peak memory\n(o measured, x predicted, dotted: same point)")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
+    if ok:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=9, title="point", frameon=False)
     paths.append(out_dir / "throughput_vs_memory.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 5))
     timed = [r for r in rows if r["status"] == "ok" and r["step_time_ms"]]
-    names = [f"{r['strategy']}\n{r['mesh']}" for r in timed]
-    xs = range(len(timed))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(timed) + 2), 5.5), layout="constrained")
+    xs = list(range(len(timed)))
     ax.bar([x - 0.2 for x in xs], [r["step_time_ms"] for r in timed], width=0.4, label="measured")
     ax.bar([x + 0.2 for x in xs], [r["pred_step_time_ms"] or 0 for r in timed], width=0.4, label="predicted",
            color="lightgray", edgecolor="gray")
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels(names, fontsize=7)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([f"{r['mesh']} | {r['strategy']}" for r in timed], rotation=30, ha="right", fontsize=9)
     ax.set_ylabel("step time (ms)")
-    ax.set_title("step time per strategy and mesh")
+    ax.set_title("Step time per strategy and mesh")
     ax.legend()
-    fig.tight_layout()
     paths.append(out_dir / "step_time_by_strategy.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)

@@ -121,7 +121,7 @@ def plan_only(cfg: DictConfig) -> dict[str, Any]:
 
     prediction = plan(cfg)
     print(prediction.format(), flush=True)
-    prediction.check_fits()
+    prediction.check_fits(cfg)
     return prediction.to_dict()
 
 
@@ -141,6 +141,8 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
         from core.planner import plan_or_none
 
         prediction = plan_or_none(cfg)  # every real run logs the prediction; the summary keeps it
+        if prediction is not None:
+            prediction.check_fits(cfg)  # refuse what cannot fit before any rank allocates
         if not dist_env_present() or int(os.environ.get("RANK", "0")) == 0:
             if prediction is not None:
                 print(prediction.format(), flush=True)

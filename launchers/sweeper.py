@@ -34,7 +34,7 @@ def check_point(cfg: DictConfig, check_devices: bool = True) -> None:
             raise
         except Exception:  # noqa: BLE001 - a config the planner does not model is not an invalid point
             return
-        prediction.check_fits()
+        prediction.check_fits(cfg)
 
 
 def invalid_points(config_loader, config: DictConfig, job_overrides: List[List[str]],

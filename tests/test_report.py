@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.report import SweepReportCallback, collect, report
+from experiments.report import SweepReportCallback, collect, mesh_name, point_labels, report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,6 +44,26 @@ def test_rows_follow_job_numbers_and_carry_swept_keys(sweep: Path):
     assert rows[1]["swept"] == {"mesh": "dp2", "parallelism": "fsdp"}
     assert rows[1]["pred_peak_mem_gib"] == 6.0 and rows[1]["peak_mem_gib_per_rank"] == [6.5, 6.4]
     assert rows[2]["status"] == "failed" and "boom" in rows[2]["error"]
+    # meshes by the preset the user typed, not the run's internal name ("single", "dp_shard2")
+    assert [r["mesh"] for r in rows] == ["dp1", "dp2", "dp2"]
+
+
+def test_mesh_names_follow_what_was_typed():
+    assert mesh_name({"mesh": "dp2", "mesh.dp_replicate": "2", "mesh.device": "cpu"}, "x") == "dp2 dp_replicate=2"
+    assert mesh_name({"parallelism": "fsdp"}, "dp4") == "dp4" and mesh_name({}, None) == "?"
+    rows = [{"job": "0", "mesh": m, "swept": {"mesh": m, "parallelism": p, "seed": "1"}}
+            for m, p in (("dp1", "fsdp"), ("dp2", "fsdp"), ("dp2", "zero1"))]
+    assert point_labels(rows) == ["dp1 | fsdp", "dp2 | fsdp", "dp2 | zero1"]  # only what differs between points
+
+
+def test_cpu_points_compare_no_memory(tmp_path: Path):
+    """On the CPU the measured peak is process RSS: the report compares step time but not memory."""
+    _job(tmp_path, "0_mesh=dp1", ["mesh=dp1"], status="ok", error=None, parallelism="none", mesh="dp1", device="cpu",
+         tokens_per_s=100.0, step_time_ms=200.0, peak_mem_gib=0.8, final_loss=5.0,
+         plan={"step_time_ms": 300.0, "tokens_per_s": 70.0, "peak_mem_gib": 0.05})
+    section = report(tmp_path, quiet=True)["markdown"].read_text().split("## Prediction against measurement")[1]
+    assert "| 0_mesh=dp1 | 300.00 / 200.00 | +50% | 0.050 / 0.800 | - |" in section
+    assert "not compared on the CPU" in section
 
 
 def test_markdown_csv_and_plots(sweep: Path):
@@ -95,8 +115,10 @@ def test_prediction_recomputed_from_the_saved_config(tmp_path: Path):
     rows = collect(tmp_path)
     from hydra.utils import instantiate
 
+    from core.planner import plan
+
     assert rows[0]["plan"]["params"] == instantiate(cfg.model).num_params()
-    assert rows[0]["pred_step_time_ms"] > 0
+    assert rows[0]["pred_step_time_ms"] == pytest.approx(plan(cfg).step_time_ms)
 
 
 def test_command_line(sweep: Path):

@@ -28,7 +28,8 @@ from torch import nn
 
 from core.distributed.comm import CommTimer, broadcast_module, group_size, supports_avg
 from core.distributed.mesh import ParallelMesh
-from core.distributed.strategy import Strategy, materialize
+from core.distributed.strategy import (DP_AXES, CollectiveSpec, ModelLayout, Strategy, StrategyProfile, axes_degree,
+                                       materialize)
 from core.errors import require
 
 
@@ -477,23 +478,65 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def require_pure_dp(mesh: ParallelMesh, strategy: str) -> None:
-    for axis in ("pp", "cp", "tp"):
-        require(getattr(mesh, axis) == 1, f"mesh.{axis}", f"parallelism={strategy} is data-parallel only",
-                f"set mesh.{axis}=1 (or choose a strategy that supports {axis})")
+def bucket_layout(sizes: list[int], bucket_bytes: int, first_bucket_bytes: int) -> list[list[int]]:
+    """Sizes (bytes) per bucket, filled along `sizes` (one gradient kind in ready order) the way
+    `BucketedDDP._build_buckets` fills each kind: consecutive, the first bucket capped lower."""
+    buckets: list[list[int]] = []
+    cur: list[int] = []
+    for s in sizes:
+        cap = first_bucket_bytes if not buckets else bucket_bytes
+        if cur and sum(cur) + s > cap:
+            buckets.append(cur)
+            cur = []
+        cur.append(s)
+    return buckets + [cur] if cur else buckets
+
+
+def bucketed_all_reduce_profile(layout: ModelLayout, bucket_size_mb: float, first_bucket_size_mb: Optional[float],
+                                comm_dtype: Optional[str], compute_dtype: Optional[str]) -> StrategyProfile:
+    """What `BucketedDDP` holds and sends: one asynchronous all-reduce per bucket during backward, a flat
+    buffer per bucket of several gradients, and (compute_dtype) bf16 Linear copies whose gradients travel in
+    bf16. Before the first step records the ready order, buckets follow reverse registration order."""
+    cap = int(bucket_size_mb * 2**20)
+    first = cap if first_bucket_size_mb is None else min(cap, int(first_bucket_size_mb * 2**20))
+    wire = 2 if comm_dtype in ("bfloat16", "bf16", "float16", "fp16") else 4
+    if compute_dtype is not None:  # two gradient kinds, bucketed separately: bf16 Linear leaves and fp32 rest
+        ready = list(zip(reversed(layout.tensors), reversed(layout.is_linear)))
+        kinds = [[2 * n for n, linear in ready if linear], [4 * n for n, linear in ready if not linear]]
+    else:
+        kinds = [[4 * n for n in reversed(layout.tensors)]]
+    # buckets fill by the gradients' own bytes; a bf16 comm_dtype halves what travels (and its buffers)
+    scale = wire / 4 if compute_dtype is None else 1
+    buckets = [[int(n * scale) for n in b] for sizes in kinds for b in bucket_layout(sizes, cap, first)]
+    flat = sum(sum(b) for b in buckets if len(b) > 1 or scale != 1)  # comm_dtype casts every bucket into a buffer
+    return StrategyProfile(
+        collectives=(CollectiveSpec("all_reduce", "gradients", sum(map(sum, buckets)), len(buckets),
+                                    overlappable=True),),
+        comm_buffer_bytes=flat,
+        compute_copy_bytes=2 * sum(layout.linear_weights) if compute_dtype is not None else 0,
+        autocast_weight_copies=compute_dtype is None)
 
 
 class DDPStrategy(Strategy):
     """Replicated parameters, gradients averaged by one of the wrappers above."""
 
     name = "ddp"
+    data_parallel = True
     wrapper_cls: type[DataParallel] = BucketedDDP
 
     def __init__(self, **wrapper_kwargs: Any) -> None:
         self.wrapper_kwargs = wrapper_kwargs
 
-    def validate(self, mesh: ParallelMesh) -> None:
-        require_pure_dp(mesh, self.name)
+    def profile(self, mesh: ParallelMesh, layout: ModelLayout, grad_accum: int) -> StrategyProfile:
+        if axes_degree(mesh, DP_AXES) == 1:
+            return StrategyProfile()
+        return self._profile(layout)
+
+    def _profile(self, layout: ModelLayout) -> StrategyProfile:
+        kw = {"bucket_size_mb": 25.0, "first_bucket_size_mb": 1.0, "comm_dtype": None, "compute_dtype": None,
+              **self.wrapper_kwargs}
+        return bucketed_all_reduce_profile(layout, kw["bucket_size_mb"], kw["first_bucket_size_mb"],
+                                           kw["comm_dtype"], kw["compute_dtype"])
 
     def setup(self, model: nn.Module, mesh: ParallelMesh, init_fn) -> nn.Module:
         self.mesh = mesh
@@ -526,13 +569,26 @@ class DDPStrategy(Strategy):
 class DDPNaiveStrategy(DDPStrategy):
     name, wrapper_cls = "ddp_naive", NaiveDDP
 
+    def _profile(self, layout: ModelLayout) -> StrategyProfile:  # one blocking all-reduce per gradient
+        return StrategyProfile(collectives=(CollectiveSpec("all_reduce", "gradients", 4 * layout.numel,
+                                                           len(layout.tensors)),))
+
 
 class DDPFlatStrategy(DDPStrategy):
     name, wrapper_cls = "ddp_flat", FlatDDP
 
+    def _profile(self, layout: ModelLayout) -> StrategyProfile:
+        # one all-reduce of a flat copy of every gradient: the copy exists at the end of backward, and
+        # flattening and unflattening read and write every gradient twice
+        return StrategyProfile(collectives=(CollectiveSpec("all_reduce", "gradients", 4 * layout.numel, 1),),
+                               backward_transient_bytes=4 * layout.numel, copy_bytes_per_step=16 * layout.numel)
+
 
 class DDPOverlapStrategy(DDPStrategy):
     name, wrapper_cls = "ddp_overlap", OverlapDDP
+
+    def _profile(self, layout: ModelLayout) -> StrategyProfile:  # one bucket per gradient, reduced in place
+        return bucketed_all_reduce_profile(layout, 0.0, 0.0, None, None)
 
 
 class DDPBucketedStrategy(DDPStrategy):

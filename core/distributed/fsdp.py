@@ -37,9 +37,9 @@ from torch import nn
 
 from core.distributed.comm import (CommTimer, all_gather_coalesced, all_gather_flat, broadcast_module, group_rank,
                                    group_size, init_optimizer_state, reduce_scatter_flat, supports_avg)
-from core.distributed.ddp import require_pure_dp
 from core.distributed.mesh import ParallelMesh
-from core.distributed.strategy import Strategy, materialize
+from core.distributed.strategy import (DP_AXES, CollectiveSpec, ModelLayout, Strategy, StrategyProfile, axes_degree,
+                                       materialize)
 from core.errors import require
 
 
@@ -402,6 +402,7 @@ class FSDPStrategy(Strategy):
     """`parallelism=fsdp`: our FullyShardedDataParallel; checkpoints through torch.distributed.checkpoint."""
 
     name = "fsdp"
+    data_parallel = True
     checkpoint_format = "dcp"
     supports_activation_checkpointing = False  # its saved-tensor hooks free gathered weights; recompute would miss them
 
@@ -411,8 +412,33 @@ class FSDPStrategy(Strategy):
                            group_by=group_by)
         self.separate_reduce_scatter = bool(separate_reduce_scatter)
 
+    def profile(self, mesh: ParallelMesh, layout: ModelLayout, grad_accum: int) -> StrategyProfile:
+        if axes_degree(mesh, DP_AXES) == 1:
+            return StrategyProfile()
+        gathered = 2 if _dtype(self.kwargs["compute_dtype"]) in (torch.bfloat16, torch.float16) else 4
+        reduced = 2 if _dtype(self.kwargs["reduce_dtype"]) in (torch.bfloat16, torch.float16) else 4
+        sharded = layout.embedding + sum(layout.linear_weights)  # Linear and Embedding weights; norms replicate
+        in_flight = int(self.kwargs["prefetch"]) + 1
+        if self.kwargs["group_by"] == "block":  # embedding, each block, lm_head; backward skips the embedding
+            fwd_calls, bwd_calls = layout.n_blocks + 2, layout.n_blocks + 1
+            unit = max(layout.block_params, layout.embedding, max(layout.linear_weights))
+        else:
+            fwd_calls, bwd_calls = len(layout.linear_weights) + 1, len(layout.linear_weights)
+            unit = max(layout.embedding, max(layout.linear_weights))
+        return StrategyProfile(
+            params_sharded_over=DP_AXES, grads_sharded_over=DP_AXES, optimizer_sharded_over=DP_AXES,
+            collectives=(
+                CollectiveSpec("all_gather", "parameters", gathered * (2 * sharded - layout.embedding) * grad_accum,
+                               (fwd_calls + bwd_calls) * grad_accum, overlappable=True),
+                # every micro-step: unsharded gradients are never kept across micro-steps
+                CollectiveSpec("reduce_scatter", "gradients", reduced * sharded * grad_accum,
+                               (len(layout.linear_weights) + 1) * grad_accum, overlappable=True),
+                CollectiveSpec("all_reduce", "gradients", 4 * (layout.numel - sharded), 1)),
+            gathered_param_bytes=gathered * in_flight * unit,
+            backward_transient_bytes=4 * 2 * layout.block_params,  # full-size gradients awaiting reduce-scatter
+            autocast_weight_copies=False)  # the saved-tensor hook drops gathered (and cast) weights
+
     def validate(self, mesh: ParallelMesh) -> None:
-        require_pure_dp(mesh, self.name)
         require(mesh.dp_replicate == 1, "mesh.dp_replicate", "our fsdp shards over the whole data-parallel group",
                 "use mesh.dp_shard for the data-parallel size (or torch_fsdp2 for HSDP)")
 

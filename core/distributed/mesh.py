@@ -1,8 +1,9 @@
 """The named device mesh every run has, single-process runs included.
 
 Axes follow torchtitan: pp, dp_replicate, dp_shard, cp, tp, ep (degree 1 where unused).
-World size is pp * dp_replicate * dp_shard * cp * tp; expert parallelism borrows its
-ranks from dp_shard * cp, so `ep` must divide that product and adds no ranks.
+World size is pp * dp_replicate * dp_shard * cp * tp. Only the data-parallel axes
+(dp_replicate, dp_shard) are implemented: a degree above 1 on any other axis is refused here,
+before anything runs, rather than trained silently as plain data parallelism.
 One object knows the degrees and hands out sub-meshes and groups; nothing else
 recomputes them.
 """
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from core.errors import ConfigError, require
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+NOT_IMPLEMENTED_AXES = ("pp", "cp", "tp", "ep")  # no strategy shards over these yet
 _RANK_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
@@ -97,9 +99,10 @@ class ParallelMesh:
                     f"set mesh.{axis}=1 or more")
         require(self.device in ("auto", "cpu", "cuda"), "mesh.device", f"unknown device {self.device!r}",
                 "use mesh.device=auto, cpu or cuda")
-        require((self.dp_shard * self.cp) % self.ep == 0, "mesh.ep",
-                f"expert parallel degree {self.ep} does not divide dp_shard*cp={self.dp_shard * self.cp}",
-                "choose mesh.ep dividing mesh.dp_shard * mesh.cp")
+        for axis in NOT_IMPLEMENTED_AXES:
+            n = getattr(self, axis)
+            require(n == 1, f"mesh.{axis}", f"{axis}={n}: this parallel axis is not implemented yet",
+                    f"set mesh.{axis}=1 and use mesh.dp_shard / mesh.dp_replicate for data parallelism")
         self._device_mesh = None
         self._flat: dict = {}
         self._rank = 0
@@ -123,8 +126,10 @@ class ParallelMesh:
         return {axis: getattr(self, axis) for axis in AXES}
 
     def describe(self) -> str:
-        used = [f"{a}{getattr(self, a)}" for a in _RANK_AXES if getattr(self, a) > 1]
-        return "x".join(used) if used else "single"
+        """The mesh as its preset is named (dp1, dp2, ...; conf/mesh/), or its degrees where no preset matches."""
+        if self.dp_replicate == 1:
+            return f"dp{self.dp_shard}"
+        return f"dp_replicate{self.dp_replicate}xdp_shard{self.dp_shard}"
 
     # ---- devices -------------------------------------------------------------
     def device_type(self) -> str:

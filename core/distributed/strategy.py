@@ -10,11 +10,17 @@ calls only the methods below, in this order each step:
     grad_norm = strategy.clip_grad_norm_(model, max_norm)
     optimizer.step(); optimizer.zero_grad(set_to_none=True)
     metrics.update(strategy.step_metrics())
+
+Each strategy also describes itself, without a process group, through `profile(mesh, layout, grad_accum)`:
+which of parameters / gradients / optimizer state it shards over which mesh axes, which collectives it
+issues per optimizer step and with how many bytes, and the buffers it keeps. The planner (core/planner.py)
+costs that description; it keeps no table of its own about what a strategy is.
 """
 from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable, Literal
 
 import torch
@@ -24,6 +30,88 @@ from core.distributed.mesh import ParallelMesh
 from core.errors import require
 
 OptimizerFactory = Callable[[Iterable[dict[str, Any]]], torch.optim.Optimizer]
+
+
+DP_AXES = ("dp_replicate", "dp_shard")  # the flattened "dp" group of `ParallelMesh`
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """The parameter sizes a strategy's profile depends on (numel, not bytes)."""
+
+    tensors: tuple[int, ...]         # every trainable parameter, registration order, tied ones once
+    is_linear: tuple[bool, ...]      # per tensor: an nn.Linear weight (what autocast / compute_dtype casts)
+    n_blocks: int                    # transformer blocks (FSDP's units)
+    block_params: int                # parameters of one block
+    embedding: int                   # parameters of the token embedding
+
+    @property
+    def numel(self) -> int:
+        return sum(self.tensors)
+
+    @property
+    def linear_weights(self) -> tuple[int, ...]:
+        return tuple(n for n, linear in zip(self.tensors, self.is_linear) if linear)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "ModelLayout":
+        """The layout of a `TransformerLM` (a meta-device one costs no memory)."""
+        linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+        seen: set[int] = set()
+        params = []
+        for p in model.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        blocks = list(getattr(model, "blocks", []))
+        return cls(tuple(p.numel() for p in params), tuple(id(p) in linear for p in params), len(blocks),
+                   sum(p.numel() for p in blocks[0].parameters()) if blocks else 0,
+                   model.token_embeddings.weight.numel() if hasattr(model, "token_embeddings") else 0)
+
+
+@dataclass(frozen=True)
+class CollectiveSpec:
+    """One kind of collective a strategy issues every optimizer step."""
+
+    name: str                        # all_reduce | reduce_scatter | all_gather
+    what: str                        # gradients | parameters
+    bytes_per_step: int              # summed over calls; all-gather / reduce-scatter count the full, unsharded size
+    calls: int                       # per optimizer step
+    axes: tuple[str, ...] = DP_AXES  # the mesh axes whose ranks take part
+    overlappable: bool = False       # launched while compute runs (backward hooks, prefetched gathers)
+
+
+@dataclass(frozen=True)
+class StrategyProfile:
+    """What one rank of a strategy holds and sends: the strategy's own answer to the planner.
+
+    Sharded-over fields name mesh axes; a state is split over the product of their degrees (empty: replicated).
+    Byte fields are per rank."""
+
+    params_sharded_over: tuple[str, ...] = ()
+    grads_sharded_over: tuple[str, ...] = ()
+    optimizer_sharded_over: tuple[str, ...] = ()
+    collectives: tuple[CollectiveSpec, ...] = ()
+    comm_buffer_bytes: int = 0          # persistent communication buffers (gradient buckets)
+    grads_in_comm_buffer: bool = False  # `.grad` are views into those buffers (counted once)
+    compute_copy_bytes: int = 0         # persistent low-precision copies of the Linear weights (compute_dtype)
+    gathered_param_bytes: int = 0       # unsharded parameters in flight during forward / backward
+    backward_transient_bytes: int = 0   # full-size gradients or flat copies alive at the end of backward
+    step_transient_bytes: int = 0       # buffers of the optimizer step (ZeRO's parameter all-gather rounds)
+    copy_bytes_per_step: int = 0        # extra memory traffic: flattening gradients into flat buffers and back
+    autocast_weight_copies: bool = True  # False: the forward already runs on low-precision weights
+
+    def shard_degree(self, mesh: ParallelMesh, state: str) -> int:
+        """How many ways `state` (params | grads | optimizer) is split on `mesh`."""
+        return axes_degree(mesh, getattr(self, f"{state}_sharded_over"))
+
+
+def axes_degree(mesh: ParallelMesh, axes: tuple[str, ...]) -> int:
+    """Ranks in one group spanning `axes` of `mesh` (the product of their degrees)."""
+    n = 1
+    for axis in axes:
+        n *= getattr(mesh, axis)
+    return n
 
 
 def materialize(model: nn.Module, device: torch.device, init_fn: Callable[[nn.Module], None]) -> nn.Module:
@@ -44,15 +132,22 @@ class Strategy:
     """
 
     name: str = "none"
+    data_parallel: bool = False  # replicas synchronised over the mesh's dp axes (else one rank only)
     checkpoint_format: Literal["full", "dcp"] = "full"  # full: rank 0 torch.save; dcp: torch.distributed.checkpoint
     requires_world_size_above_one: bool = False
     supports_activation_checkpointing: bool = True
 
     def validate(self, mesh: ParallelMesh) -> None:
         """Raise `ConfigError` if this strategy cannot run on `mesh` (called before any process starts)."""
+        if self.data_parallel:
+            return  # every mesh `ParallelMesh` accepts is data-parallel (other axes are refused there)
         require(mesh.world_size == 1, "parallelism",
                 f"parallelism={self.name} keeps independent replicas, but mesh {mesh.describe()} has "
                 f"{mesh.world_size} ranks", "choose a data-parallel strategy (e.g. parallelism=ddp_bucketed) or mesh=single")
+
+    def profile(self, mesh: ParallelMesh, layout: ModelLayout, grad_accum: int) -> StrategyProfile:
+        """What this strategy holds and sends per rank on `mesh` (no process group needed)."""
+        return StrategyProfile()
 
     def setup(self, model: nn.Module, mesh: ParallelMesh, init_fn: Callable[[nn.Module], None]) -> nn.Module:
         """Materialise, shard or wrap the model; return the module the trainer calls."""

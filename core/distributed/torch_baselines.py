@@ -16,22 +16,34 @@ import torch
 from torch import nn
 
 from core.distributed.comm import broadcast_module, init_optimizer_state
-from core.distributed.ddp import require_pure_dp, unwrap
+from core.distributed.ddp import unwrap
 from core.distributed.fsdp import _dtype
 from core.distributed.mesh import ParallelMesh
-from core.distributed.strategy import Strategy, materialize
+from core.distributed.ddp import bucket_layout
+from core.distributed.strategy import (DP_AXES, CollectiveSpec, ModelLayout, Strategy, StrategyProfile, axes_degree,
+                                       materialize)
 
 
 class TorchDDPStrategy(Strategy):
     name = "torch_ddp"
+    data_parallel = True
 
     def __init__(self, bucket_cap_mb: float = 25.0, gradient_as_bucket_view: bool = True,
                  static_graph: bool = False) -> None:
         self.kwargs = dict(bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
                            static_graph=static_graph)
 
-    def validate(self, mesh: ParallelMesh) -> None:
-        require_pure_dp(mesh, self.name)
+    def profile(self, mesh: ParallelMesh, layout: ModelLayout, grad_accum: int) -> StrategyProfile:
+        if axes_degree(mesh, DP_AXES) == 1:
+            return StrategyProfile()
+        cap = int(self.kwargs["bucket_cap_mb"] * 2**20)
+        # torch's Reducer: buckets in reverse registration order, the first one 1 MiB
+        buckets = bucket_layout([4 * n for n in reversed(layout.tensors)], cap, min(cap, 2**20))
+        return StrategyProfile(
+            collectives=(CollectiveSpec("all_reduce", "gradients", 4 * layout.numel, len(buckets),
+                                        overlappable=True),),
+            comm_buffer_bytes=4 * layout.numel,  # every bucket allocated at wrap time and kept
+            grads_in_comm_buffer=bool(self.kwargs["gradient_as_bucket_view"]))
 
     def setup(self, model: nn.Module, mesh: ParallelMesh, init_fn) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -71,6 +83,7 @@ def _inner(model: nn.Module) -> nn.Module:
 
 class TorchFSDP2Strategy(Strategy):
     name = "torch_fsdp2"
+    data_parallel = True
     checkpoint_format = "dcp"
 
     def __init__(self, compute_dtype: Any = None, reduce_dtype: Any = "float32",
@@ -78,8 +91,33 @@ class TorchFSDP2Strategy(Strategy):
         self.compute_dtype, self.reduce_dtype = _dtype(compute_dtype), _dtype(reduce_dtype)
         self.reshard_after_forward = reshard_after_forward
 
-    def validate(self, mesh: ParallelMesh) -> None:
-        require_pure_dp(mesh, self.name)
+    def profile(self, mesh: ParallelMesh, layout: ModelLayout, grad_accum: int) -> StrategyProfile:
+        if axes_degree(mesh, DP_AXES) == 1:
+            return StrategyProfile()
+        # fully_shard on the 2-D (dp_replicate, dp_shard) mesh is HSDP: parameters, gradients and optimizer
+        # state are sharded over dp_shard only and replicated over dp_replicate
+        shard_axes = ("dp_shard",)
+        shards = mesh.dp_shard
+        low = (torch.bfloat16, torch.float16)
+        gathered = 2 if self.compute_dtype in low else 4
+        reduced = 2 if self.reduce_dtype in low else 4
+        units = layout.n_blocks + 1  # fully_shard per block, then the root (embedding, final norm, lm_head)
+        colls = []
+        if shards > 1:
+            colls += [CollectiveSpec("all_gather", "parameters", 2 * gathered * layout.numel * grad_accum,
+                                     2 * units * grad_accum, axes=shard_axes, overlappable=True),
+                      CollectiveSpec("reduce_scatter", "gradients", reduced * layout.numel, units, axes=shard_axes,
+                                     overlappable=True)]
+        if mesh.dp_replicate > 1:  # the sharded gradients are then all-reduced across the replicas
+            colls.append(CollectiveSpec("all_reduce", "gradients", reduced * -(-layout.numel // shards), units,
+                                        axes=("dp_replicate",), overlappable=True))
+        return StrategyProfile(
+            params_sharded_over=shard_axes, grads_sharded_over=shard_axes, optimizer_sharded_over=shard_axes,
+            collectives=tuple(colls),
+            # the running and the prefetched block, plus the root's embedding and lm_head
+            gathered_param_bytes=gathered * (2 * layout.block_params + 2 * layout.embedding) if shards > 1 else 0,
+            backward_transient_bytes=4 * 2 * layout.block_params if shards > 1 else 0,
+            autocast_weight_copies=self.compute_dtype not in low)
 
     def setup(self, model: nn.Module, mesh: ParallelMesh, init_fn) -> nn.Module:
         try:

@@ -28,6 +28,7 @@ optimizer given the same gradients.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Any, Callable, Iterable, Optional
 
@@ -37,9 +38,10 @@ from torch import nn
 
 from core.distributed.comm import (CommTimer, all_gather_flat, group_rank, group_size, init_optimizer_state,
                                    reduce_scatter_flat, supports_avg)
-from core.distributed.ddp import BucketedDDP, DataParallel, _compute_dtype, require_pure_dp, unwrap
+from core.distributed.ddp import BucketedDDP, DataParallel, _compute_dtype, bucketed_all_reduce_profile, unwrap
 from core.distributed.mesh import ParallelMesh
-from core.distributed.strategy import Strategy, materialize
+from core.distributed.strategy import (DP_AXES, CollectiveSpec, ModelLayout, Strategy, StrategyProfile, axes_degree,
+                                       materialize)
 from core.errors import require
 
 
@@ -324,6 +326,7 @@ class Zero1Strategy(Strategy):
     """
 
     name = "zero1"
+    data_parallel = True
     checkpoint_format = "dcp"  # every rank saves its own optimizer shard
 
     def __init__(self, grad_reduction: str = "all_reduce", bucket_size_mb: float = 25.0,
@@ -345,8 +348,27 @@ class Zero1Strategy(Strategy):
         self.optimizer: Optional[ShardedOptimizer] = None
         self.name = "zero1" if grad_reduction == "all_reduce" else "zero1_rs"
 
-    def validate(self, mesh: ParallelMesh) -> None:
-        require_pure_dp(mesh, self.name)
+    def profile(self, mesh: ParallelMesh, layout: ModelLayout, grad_accum: int) -> StrategyProfile:
+        dp = axes_degree(mesh, DP_AXES)
+        if dp == 1:
+            return StrategyProfile()
+        full = 4 * layout.numel
+        # gathers (and reduce-scatters) run in rounds of at most gather_bucket_mb per owner; the padding of
+        # each round to its largest owner's share is not counted
+        rounds = max(1, math.ceil(full / dp / (self.gather_bucket_mb * 2**20)))
+        gather = CollectiveSpec("all_gather", "parameters", full, rounds)
+        step_buffer = min(full, int(self.gather_bucket_mb * 2**20))
+        if self.grad_reduction == "all_reduce":
+            ddp = bucketed_all_reduce_profile(layout, self.bucket_size_mb, self.first_bucket_size_mb, self.comm_dtype,
+                                              self.compute_dtype)
+            return dataclasses.replace(ddp, optimizer_sharded_over=DP_AXES, collectives=ddp.collectives + (gather,),
+                                       step_transient_bytes=step_buffer)
+        # every full-size gradient lives until the reduce-scatter after backward, which copies them into
+        # flat round buffers
+        return StrategyProfile(grads_sharded_over=DP_AXES, optimizer_sharded_over=DP_AXES,
+                               collectives=(CollectiveSpec("reduce_scatter", "gradients", full, rounds), gather),
+                               backward_transient_bytes=full, step_transient_bytes=step_buffer,
+                               copy_bytes_per_step=2 * full)
 
     def setup(self, model: nn.Module, mesh: ParallelMesh, init_fn) -> nn.Module:
         self.mesh = mesh
