@@ -182,7 +182,7 @@ class Plan:
             fixes.append("a sharded strategy (parallelism=fsdp, torch_fsdp2 or zero1) over more ranks")
         fixes += ["a smaller train.batch_size or more train.grad_accum_steps", "a smaller model=",
                   "planner.device=... if the run is meant for another device",
-                  "++planner.check_fit=false to run anyway"]
+                  "planner.check_fit=false to run anyway"]
         ranks = f" x {self.ranks_per_memory} ranks" if self.ranks_per_memory > 1 else ""
         raise ConfigError("model/precision/mesh", f"model={self.model} precision={self.precision} "
                           f"parallelism={self.strategy} mesh={self.mesh} needs a predicted {self.peak_gib:.1f} GiB "

@@ -176,7 +176,7 @@ def test_refuses_a_run_larger_than_the_cpu_memory_and_can_be_forced():
         tight.check_fits()
     msg = str(e.value)
     assert msg.startswith("model/precision/mesh: model=small precision=fp32 parallelism=ddp_bucketed mesh=dp2")
-    assert f"{p.peak_gib:.1f} GiB per rank x 2 ranks" in msg and "++planner.check_fit=false" in msg
+    assert f"{p.peak_gib:.1f} GiB per rank x 2 ranks" in msg and "planner.check_fit=false" in msg
     plan(_cfg(*over, f"++planner.device_overrides.memory_gib={2.5 * p.peak_gib}")).check_fits()
     forced = _cfg(*over, f"++planner.device_overrides.memory_gib={1.5 * p.peak_gib}", "++planner.check_fit=false")
     plan(forced).check_fits(forced)
