@@ -6,9 +6,10 @@ from typing import ContextManager
 
 import torch
 
+from core.dtypes import parse_dtype
 from core.errors import ConfigError, require
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_NAMES = ("fp32", "bf16", "fp16")
 
 
 class Precision:
@@ -20,9 +21,9 @@ class Precision:
 
     def __init__(self, dtype: str = "fp32", tf32: bool = True, init_scale: float = 65536.0,
                  growth_interval: int = 2000) -> None:
-        require(dtype in _DTYPES, "precision.dtype", f"unknown precision {dtype!r}", "use precision=fp32, bf16 or fp16")
+        require(dtype in _NAMES, "precision.dtype", f"unknown precision {dtype!r}", "use precision=fp32, bf16 or fp16")
         self.name = dtype
-        self.dtype = _DTYPES[dtype]
+        self.dtype = parse_dtype(dtype, "precision.dtype")
         self.tf32 = tf32
         self.init_scale, self.growth_interval = init_scale, growth_interval
         self.scaler: torch.amp.GradScaler | None = None

@@ -30,6 +30,7 @@ from core.distributed.comm import CommTimer, broadcast_module, group_size, suppo
 from core.distributed.mesh import ParallelMesh
 from core.distributed.strategy import (DP_AXES, CollectiveSpec, ModelLayout, Strategy, StrategyProfile, axes_degree,
                                        materialize)
+from core.dtypes import dtype_bytes, parse_dtype
 from core.errors import require
 
 
@@ -140,11 +141,7 @@ class _Bucket:
 
 
 def _compute_dtype(name: Optional[str]) -> Optional[torch.dtype]:
-    if name is None:
-        return None
-    require(name in ("bfloat16", "bf16"), "parallelism.compute_dtype", f"unsupported {name!r}",
-            "use bfloat16 (with precision=bf16) or null")
-    return torch.bfloat16
+    return parse_dtype(name, "parallelism.compute_dtype", allowed=(torch.bfloat16,))
 
 
 def _linear_params(module: nn.Module) -> set[int]:
@@ -221,7 +218,7 @@ class BucketedDDP(DataParallel):
         self.bucket_bytes = int(bucket_size_mb * 2**20)
         self.first_bucket_bytes = self.bucket_bytes if first_bucket_size_mb is None else \
             min(self.bucket_bytes, int(first_bucket_size_mb * 2**20))
-        self.comm_dtype = getattr(torch, comm_dtype) if isinstance(comm_dtype, str) else comm_dtype
+        self.comm_dtype = parse_dtype(comm_dtype, "parallelism.comm_dtype")
         self.compute_dtype = _compute_dtype(compute_dtype)
         require(self.compute_dtype is None or self.comm_dtype in (None, self.compute_dtype), "parallelism.comm_dtype",
                 f"{comm_dtype} differs from compute_dtype={compute_dtype}, whose gradients are reduced in it",
@@ -499,7 +496,7 @@ def bucketed_all_reduce_profile(layout: ModelLayout, bucket_size_mb: float, firs
     bf16. Before the first step records the ready order, buckets follow reverse registration order."""
     cap = int(bucket_size_mb * 2**20)
     first = cap if first_bucket_size_mb is None else min(cap, int(first_bucket_size_mb * 2**20))
-    wire = 2 if comm_dtype in ("bfloat16", "bf16", "float16", "fp16") else 4
+    wire = dtype_bytes(comm_dtype, "parallelism.comm_dtype")
     if compute_dtype is not None:  # two gradient kinds, bucketed separately: bf16 Linear leaves and fp32 rest
         ready = list(zip(reversed(layout.tensors), reversed(layout.is_linear)))
         kinds = [[2 * n for n, linear in ready if linear], [4 * n for n, linear in ready if not linear]]

@@ -40,13 +40,8 @@ from core.distributed.comm import (CommTimer, all_gather_coalesced, all_gather_f
 from core.distributed.mesh import ParallelMesh
 from core.distributed.strategy import (DP_AXES, CollectiveSpec, ModelLayout, Strategy, StrategyProfile, axes_degree,
                                        materialize)
+from core.dtypes import dtype_bytes, parse_dtype
 from core.errors import require
-
-
-def _dtype(x):
-    if x is None or isinstance(x, torch.dtype):
-        return x
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(x) or getattr(torch, x)
 
 
 class _Unit:
@@ -128,7 +123,8 @@ class FullyShardedDataParallel(nn.Module):
                 f"has {group_size(self.rs_group)} ranks, the data-parallel group {self.world}",
                 "pass a group of the same ranks as process_group, or None")
         self.avg_in_op = supports_avg(process_group)
-        self.compute_dtype, self.reduce_dtype = _dtype(compute_dtype), _dtype(reduce_dtype)
+        self.compute_dtype = parse_dtype(compute_dtype, "parallelism.compute_dtype")
+        self.reduce_dtype = parse_dtype(reduce_dtype, "parallelism.reduce_dtype")
         self.prefetch = prefetch
         device = next(module.parameters()).device
         self.timer = timer if timer is not None else CommTimer(device, enabled=False)
@@ -415,8 +411,8 @@ class FSDPStrategy(Strategy):
     def profile(self, mesh: ParallelMesh, layout: ModelLayout, grad_accum: int) -> StrategyProfile:
         if axes_degree(mesh, DP_AXES) == 1:
             return StrategyProfile()
-        gathered = 2 if _dtype(self.kwargs["compute_dtype"]) in (torch.bfloat16, torch.float16) else 4
-        reduced = 2 if _dtype(self.kwargs["reduce_dtype"]) in (torch.bfloat16, torch.float16) else 4
+        gathered = dtype_bytes(self.kwargs["compute_dtype"], "parallelism.compute_dtype")
+        reduced = dtype_bytes(self.kwargs["reduce_dtype"], "parallelism.reduce_dtype")
         sharded = layout.embedding + sum(layout.linear_weights)  # Linear and Embedding weights; norms replicate
         in_flight = int(self.kwargs["prefetch"]) + 1
         if self.kwargs["group_by"] == "block":  # embedding, each block, lm_head; backward skips the embedding

@@ -16,12 +16,11 @@ import torch
 from torch import nn
 
 from core.distributed.comm import broadcast_module, init_optimizer_state
-from core.distributed.ddp import unwrap
-from core.distributed.fsdp import _dtype
+from core.distributed.ddp import bucket_layout, unwrap
 from core.distributed.mesh import ParallelMesh
-from core.distributed.ddp import bucket_layout
 from core.distributed.strategy import (DP_AXES, CollectiveSpec, ModelLayout, Strategy, StrategyProfile, axes_degree,
                                        materialize)
+from core.dtypes import parse_dtype
 
 
 class TorchDDPStrategy(Strategy):
@@ -88,7 +87,8 @@ class TorchFSDP2Strategy(Strategy):
 
     def __init__(self, compute_dtype: Any = None, reduce_dtype: Any = "float32",
                  reshard_after_forward: bool = True) -> None:
-        self.compute_dtype, self.reduce_dtype = _dtype(compute_dtype), _dtype(reduce_dtype)
+        self.compute_dtype = parse_dtype(compute_dtype, "parallelism.compute_dtype")
+        self.reduce_dtype = parse_dtype(reduce_dtype, "parallelism.reduce_dtype")
         self.reshard_after_forward = reshard_after_forward
 
     def profile(self, mesh: ParallelMesh, layout: ModelLayout, grad_accum: int) -> StrategyProfile:
