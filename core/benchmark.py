@@ -11,10 +11,9 @@ import statistics
 import time
 from typing import Any, Callable
 
-import torch
-
 from core.errors import require
 from core.metrics import peak_memory_gib, reset_peak_memory
+from core.summary import write_summary
 
 MODES = ("forward", "forward_backward", "train_step")
 
@@ -79,8 +78,6 @@ def run_benchmark(run) -> dict[str, Any]:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         (run.run_dir / "benchmark.md").write_text(table + "\n")
         (run.run_dir / "benchmark.json").write_text(json.dumps(row, indent=2, default=str))
-        from core.trainer import write_summary
-
         write_summary(run.run_dir, row)
     return row
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from core.nvtx import nvtx_range, set_nvtx_enabled
+from core.summary import write_summary
 
 
 def run_profile(run) -> dict:
@@ -65,7 +66,5 @@ def run_profile(run) -> dict:
         print(table, flush=True)
         print(json.dumps(result, indent=2), flush=True)
         (out / "profile.json").write_text(json.dumps(result, indent=2))
-        from core.trainer import write_summary
-
         write_summary(out, result)
     return result

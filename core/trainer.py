@@ -37,6 +37,7 @@ from core.metrics import (FlopCounter, memory_stats, model_flops_per_token, peak
 from core.model import ModelConfig, TransformerLM
 from core.optim import WarmupCosine, optimizer_factory, param_groups
 from core.precision import Precision
+from core.summary import write_summary
 from core.nvtx import nvtx_range
 from core.resume import fingerprint
 
@@ -463,13 +464,3 @@ def _summary(run: Run, status: str, step: int, first_loss, last_loss, val_loss, 
         if "exposed_comm_ms" in comm[0]:
             out["exposed_comm_ms"] = statistics.median(h["exposed_comm_ms"] for h in comm)
     return out
-
-
-def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
-    """Merge `summary` into the run's summary.json (atomically; keys the job wrote first survive)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "summary.json"
-    existing = json.loads(path.read_text()) if path.is_file() else {}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({**existing, **summary}, indent=2, default=str))
-    os.replace(tmp, path)

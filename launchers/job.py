@@ -8,7 +8,6 @@ status "failed" and the error; in a multirun the sweep goes on to the next point
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 import traceback
@@ -22,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from core.distributed.mesh import ParallelMesh, dist_env_present
 from core.errors import ConfigError
+from core.summary import write_summary
 from launchers.output_paths import check_output_paths
 
 
@@ -39,13 +39,6 @@ def _job_context(cfg: DictConfig) -> dict[str, Any]:
         "job_type": "sweep" if multirun else "run",
         "name": hc.job.override_dirname or None,
     }
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
 
 
 def _is_signal(exc: BaseException) -> bool:
@@ -146,8 +139,8 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
         if not dist_env_present() or int(os.environ.get("RANK", "0")) == 0:
             if prediction is not None:
                 print(prediction.format(), flush=True)
-            _write_json(run_dir / "summary.json", {"status": "running", "overrides": ctx["overrides"],
-                                                   "plan": prediction.to_dict() if prediction else None})
+            write_summary(run_dir, {"status": "running", "overrides": ctx["overrides"],
+                                    "plan": prediction.to_dict() if prediction else None}, replace=True)
         # Ranks run in worker processes. In a sweep a one-rank job does too: points run one after another
         # in this process, and one left here would keep its CUDA memory, compiled kernels and allocator
         # state for the next point (the next job's rank 0 then runs out of memory on the same GPU).
@@ -161,7 +154,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     except Exception as e:
         if _is_signal(e):  # killed (timeout, scancel, Ctrl-C): stop the whole sweep, do not go on
             if run_dir is not None:
-                _write_json(run_dir / "summary.json", {"status": "killed", "error": str(e), "overrides": ctx["overrides"]})
+                write_summary(run_dir, {"status": "killed", "error": str(e), "overrides": ctx["overrides"]}, replace=True)
             print(f"[scalelab] {e}: stopping", file=sys.stderr, flush=True)
             # SystemExit, not an Exception: Hydra's launcher would record an Exception and start the next point
             raise SystemExit(128 + int(getattr(e, "sigval", 15))) from None
@@ -169,7 +162,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
         bad_input = config_error is not None
         message = str(config_error) if bad_input else f"{type(e).__name__}: {e}"
         if run_dir is not None and int(os.environ.get("RANK", "0")) == 0:
-            _write_json(run_dir / "summary.json", {"status": "failed", "error": message, "overrides": ctx["overrides"]})
+            write_summary(run_dir, {"status": "failed", "error": message, "overrides": ctx["overrides"]}, replace=True)
         if ctx["multirun"]:
             print(f"[scalelab] job failed, sweep continues: {message}", file=sys.stderr, flush=True)
             if not bad_input:

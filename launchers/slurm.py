@@ -38,6 +38,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLaunche
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from core.errors import ConfigError, require
+from core.summary import write_summary
 from launchers.slurm_resources import Partition, check_request, choose_cpus_per_task, choose_gpus, read_partition
 from launchers.slurm_state import QueueStateWatcher, describe_end, watch
 
@@ -141,7 +142,6 @@ class ScalelabSlurmLauncher(SlurmLauncher):
                           f"{run_dir or ret.working_dir}: run the point again with resume=auto to continue")
         if int(os.environ.get("RANK", "0")) == 0:
             if run_dir:
-                from core.trainer import write_summary
 
                 write_summary(Path(run_dir), {"error": value["error"]})
             print(f"[scalelab] {value['error']}", file=sys.stderr, flush=True)
@@ -239,7 +239,6 @@ def _outcome(job: Any, overrides: list[str], idx: int, run_dir: Path, watcher: Q
     except (OSError, ValueError):
         status = "unreadable"  # left as it is: the report counts an unreadable summary as failed
     if status in (None, "running"):  # the job never recorded how it ended
-        from core.trainer import write_summary
 
         write_summary(run_dir, {"status": "failed", "error": message, "overrides": overrides})
     print(f"[scalelab] slurm #{idx}: {message}", file=sys.stderr, flush=True)
