@@ -52,7 +52,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  process_group: Optional[dist.ProcessGroup] = None, grad_reduction: str = "all_reduce",
                  bucket_size_mb: float = 256.0, timer: Optional[CommTimer] = None,
                  overlap_param_gather: bool = False, **kwargs: Any) -> None:
-        require(grad_reduction in ("all_reduce", "reduce_scatter", "none"), "parallelism.grad_reduction",
+        require(grad_reduction in ("all_reduce", "reduce_scatter"), "parallelism.grad_reduction",
                 f"unknown {grad_reduction!r}", "use all_reduce (gradients already averaged) or reduce_scatter")
         self.optimizer_cls, self.kwargs = optimizer_cls, kwargs
         self.process_group = process_group
