@@ -7,7 +7,6 @@ rank's whole message and last frames reach the job's error.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
