@@ -69,6 +69,8 @@ def choose_port(cfg: DictConfig) -> int:
 # After a rank failed, its peers wait on it and cannot finish: SIGKILL them this long after (time to report
 # an error of their own).
 _KILL_AFTER_S = 2
+# A failed worker ends within this of reporting its error, or is killed (before its peers).
+_EXIT_GRACE_S = 5
 # Signals elastic's agent keeps for itself in the parent; the stop signals are `core.stop`'s.
 _ELASTIC_SIGNALS = "SIGHUP,SIGQUIT"
 # Lines of a failed rank's exception message relayed in `WorkerFailedError` (DCP's carry every rank's traceback).
@@ -164,31 +166,41 @@ def _send(pid: int, sig: int) -> None:
 
 def _supervise_workers(events: Any, done: threading.Event) -> None:
     """While the workers run: send the stop signal this process recorded to each worker once, and once a worker
-    has failed, SIGKILL the others after `_KILL_AFTER_S`.
+    has failed and exited, SIGKILL the others `_KILL_AFTER_S` later.
 
     Workers report ("started", pid) on `events` once their own stop handlers are in place, so a forwarded
     signal never meets a worker still starting, and ("failed", pid) when they raise. Elastic sends the
     other workers SIGTERM when one fails, but waits 30 s (fixed in torch.multiprocessing) before its
     SIGKILL: a stopped or wedged rank never reacts to SIGTERM, and the job would outlive its
-    `mesh.timeout_s` by that much."""
+    `mesh.timeout_s` by that much. The failed worker must be the first to end (elastic names the first
+    one that ended): one that does not exit within `_EXIT_GRACE_S` of its report is killed first."""
     pids: list[int] = []
     signalled: set[int] = set()
-    failed_at = None
+    failed: dict[int, float] = {}  # reported failures: pid -> when
+    ended_at = None  # when the first failed worker had ended
     while not done.wait(0.1):
         while not events.empty():
             event, pid = events.get()
             if event == "started":
                 pids.append(pid)
-            elif failed_at is None:
-                failed_at = time.monotonic()
+            else:
+                failed.setdefault(pid, time.monotonic())
+        now = time.monotonic()
         codes = {pid: _exit_code(pid) for pid in pids}
-        if failed_at is None and any(code not in (None, 0) for code in codes.values()):
-            failed_at = time.monotonic()  # died of a signal, no exception to report
+        for pid, code in codes.items():
+            if code not in (None, 0):
+                failed.setdefault(pid, now)  # died of a signal, no exception to report
+        if ended_at is None:
+            for pid, since in failed.items():
+                if codes.get(pid) is not None:
+                    ended_at = now
+                elif now - since > _EXIT_GRACE_S:
+                    _send(pid, signal.SIGKILL)
         sig = stop.requested()
         for pid, code in codes.items():
             if code is not None:
                 continue
-            if failed_at is not None and time.monotonic() - failed_at > _KILL_AFTER_S:
+            if ended_at is not None and now - ended_at > _KILL_AFTER_S:
                 _send(pid, signal.SIGKILL)
             elif sig is not None and pid not in signalled:
                 signalled.add(pid)
