@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from core import activation_checkpointing
+from core import activation_checkpointing, stop
 from core.checkpoint import Checkpointer
 from core.data import TokenSource
 from core.distributed.mesh import ParallelMesh
@@ -40,21 +40,6 @@ from core.precision import Precision
 from core.summary import write_summary
 from core.nvtx import nvtx_range
 from core.resume import fingerprint
-
-# Set by a signal handler (SLURM's pre-emption warning) or `request_checkpoint_and_exit()`:
-# the loop saves a checkpoint at the next step boundary and returns with status "preempted".
-_STOP_REQUESTED = False
-
-
-def request_checkpoint_and_exit(*_: Any) -> None:
-    """Ask the running loop to checkpoint and stop at the next step boundary (signal-handler safe)."""
-    global _STOP_REQUESTED
-    _STOP_REQUESTED = True
-
-
-def install_preemption_handler(signum: int = signal.SIGUSR1) -> None:
-    signal.signal(signum, request_checkpoint_and_exit)
-
 
 @dataclass
 class Run:
@@ -171,14 +156,16 @@ def _window_step_seconds(marks: list[tuple[Any, Any, bool]], wall_s: float) -> f
     return statistics.median(untimed or [seconds(a, b) for a, b, _ in marks])
 
 
-def _stop_agreed(mesh: ParallelMesh, device: torch.device) -> bool:
-    """Whether any rank was asked to stop. Checked only at steps that synchronise anyway (log steps), so a
-    signal landing between two ranks' checks cannot leave them one step apart in their collectives."""
+def _stop_agreed(mesh: ParallelMesh, device: torch.device) -> signal.Signals | None:
+    """The stop signal any rank received (`core.stop`), the same on every rank; None to go on. Checked only at
+    steps that synchronise anyway (log steps), so a signal landing between two ranks' checks cannot leave
+    them one step apart in their collectives."""
+    received = stop.requested()
     if mesh.world_size == 1:
-        return _STOP_REQUESTED
-    flag = torch.tensor([float(_STOP_REQUESTED)], device=device)
+        return received
+    flag = torch.tensor([float(received or 0)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    return signal.Signals(int(flag.item())) if flag.item() else None
 
 
 def all_reduce_mean(value: torch.Tensor, mesh: ParallelMesh) -> float:
@@ -277,20 +264,28 @@ def _sweep_info(cfg: DictConfig) -> dict[str, Any]:
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """Run one rank of a job (train, benchmark or profile); returns the summary on every rank."""
-    global _STOP_REQUESTED
-    _STOP_REQUESTED = False
+    """Run one rank of a job (train, benchmark or profile); returns the summary on every rank.
+
+    Training stops early, with a checkpoint, on a stop signal received inside `core.stop.handling_stop_signals()`
+    (the job and the local launcher's workers run in one)."""
     torch.autograd.set_detect_anomaly(bool(cfg.detect_anomaly))
     mesh = instantiate_mesh(cfg).init()
     try:
         return _run_mode(build(cfg, mesh))
+    except Exception as e:
+        stalled = mesh.blame_stalled_ranks(e)
+        if stalled is not None:
+            raise stalled from e
+        raise
     finally:
         # The run (its strategy, hooks, optimizer) holds the process groups. mesh.destroy() can free them
         # only once nothing does: with an exception on its way out, the frames it passed through still
         # hold the run, so drop their locals (the traceback keeps its lines).
-        exc = sys.exc_info()[1]
-        if exc is not None:
+        exc, seen = sys.exc_info()[1], set()
+        while exc is not None and id(exc) not in seen:  # the error and the ones it was raised from
+            seen.add(id(exc))
             traceback.clear_frames(exc.__traceback__)
+            exc = exc.__cause__ or exc.__context__
         mesh.destroy()
 
 
@@ -338,7 +333,7 @@ def _train_loop(run: Run) -> dict[str, Any]:
     history: list[dict[str, Any]] = []
     # a resumed run's summary covers the whole run: losses logged before the checkpoint count
     first_loss, last_loss, val_loss = earlier.first_loss, earlier.last_loss, earlier.val_loss
-    status = "ok"
+    status, stop_signal = "ok", None
     window_start, window_steps = time.perf_counter(), 0
     step = start_step
     reset_peak_memory(run.device)
@@ -375,13 +370,13 @@ def _train_loop(run: Run) -> dict[str, Any]:
                 loggers.log({"val_loss": val_loss}, step)
             every = cfg.checkpoint.every
             stop_here = tcfg.stop_at_step is not None and step >= tcfg.stop_at_step and step < tcfg.max_steps
-            preempted = _stop_agreed(mesh, run.device) if (is_log or mesh.world_size == 1) else False
-            if (every and step % every == 0) or preempted or stop_here:
+            stop_signal = _stop_agreed(mesh, run.device) if (is_log or mesh.world_size == 1) else None
+            if (every and step % every == 0) or stop_signal or stop_here:
                 ckpt.save(step, run.strategy, run.raw_model, run.optimizer,
                           {"precision": run.precision.state_dict()})
                 window_start = time.perf_counter()  # keep checkpoint I/O out of step times
-            if preempted or stop_here:
-                status = "preempted" if preempted else "stopped"
+            if stop_signal or stop_here:
+                status = stop.status_for(stop_signal) if stop_signal else "stopped"
                 break
         finished_before = step == start_step and resume_from is not None
         if finished_before and mesh.is_main:
@@ -395,6 +390,7 @@ def _train_loop(run: Run) -> dict[str, Any]:
         if step == start_step:  # no step ran here: the timings are the logged ones
             step_times, history = earlier.step_times, earlier.history
         summary = _summary(run, status, step, first_loss, last_loss, val_loss, step_times, history)
+        summary["signal"] = stop_signal.name if stop_signal else None
         loggers.summary(summary)
         if mesh.is_main:
             write_summary(run.run_dir, summary)

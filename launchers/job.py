@@ -8,7 +8,9 @@ status "failed" and the error; in a multirun the sweep goes on to the next point
 from __future__ import annotations
 
 import functools
+import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -19,6 +21,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from core import stop
 from core.distributed.mesh import ParallelMesh, dist_env_present
 from core.errors import ConfigError
 from core.summary import write_summary
@@ -39,6 +42,13 @@ def _job_context(cfg: DictConfig) -> dict[str, Any]:
         "job_type": "sweep" if multirun else "run",
         "name": hc.job.override_dirname or None,
     }
+
+
+def _finish_summary(run_dir: Path, final: dict[str, Any]) -> None:
+    """Write `final` into summary.json if it still says "running" (the run stopped before its loop wrote one)."""
+    path = run_dir / "summary.json"
+    if path.is_file() and json.loads(path.read_text()).get("status") == "running":
+        write_summary(run_dir, final)
 
 
 def _is_signal(exc: BaseException) -> bool:
@@ -119,7 +129,28 @@ def plan_only(cfg: DictConfig) -> dict[str, Any]:
 
 
 def run_job(cfg: DictConfig) -> dict[str, Any] | None:
-    """Run one job: resolve the config, validate, plan, then train on this process or on N ranks."""
+    """Run one job: resolve the config, validate, plan, then train on this process or on N ranks.
+
+    A stop signal (`core.stop`) ends the training with a checkpoint; the job then raises `RunStopped`
+    (exit code 128 + the signal's number), which also keeps a sweep from starting its next point."""
+    with stop.handling_stop_signals():
+        summary = _run_job(cfg)
+        received = stop.requested()
+        signal_name = summary.get("signal") if isinstance(summary, dict) else None
+        if signal_name or received is not None:
+            sig = signal.Signals[signal_name] if signal_name else received
+            if int(os.environ.get("RANK", "0")) == 0:
+                run_dir = Path(cfg.paths.run_dir)
+                _finish_summary(run_dir, {"status": stop.status_for(sig), "signal": sig.name})
+                step = summary.get("steps") if isinstance(summary, dict) else None
+                print(f"[scalelab] stopped by {sig.name}" + (f" at step {step}" if step is not None else "")
+                      + f"; continue with: python train.py <same overrides> resume=auto hydra.run.dir={run_dir}",
+                      file=sys.stderr, flush=True)
+            raise stop.RunStopped(sig, summary if isinstance(summary, dict) else None, Path(cfg.paths.run_dir))
+        return summary
+
+
+def _run_job(cfg: DictConfig) -> dict[str, Any] | None:
     ctx = _job_context(cfg)
     run_dir: Path | None = None
     try:

@@ -1,21 +1,32 @@
 """Start one job's N worker ranks on this machine through torch.distributed's elastic launch API.
 
 The Hydra job has already composed and resolved its config (one output directory, one `${now:}`);
-each worker receives that resolved config, sets nothing but what elastic provides (RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and calls `core.trainer.train(cfg)`.
+each worker receives that resolved config and its thread count as arguments, reads nothing but what
+elastic provides (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and calls `core.trainer.train(cfg)`.
 Every job rendezvouses on its own free localhost port, so sweep jobs can run one after another.
-If one rank fails, elastic stops the others (they are killed within `monitor_interval`) and we raise
-one `WorkerFailedError` naming the first failed rank and its exception message.
+
+Signals: the parent records a stop signal (`core.stop`) and forwards it to every worker; the workers
+checkpoint at the next step boundary and return, and the parent returns rank 0's summary. Elastic
+itself keeps only SIGHUP and SIGQUIT (stop the workers at once; SIGQUIT first prints each worker's stacks).
+If one rank fails, the others are stopped (SIGTERM from elastic, SIGKILL from us `_KILL_AFTER_S` later) and
+we raise one `WorkerFailedError` naming the failed rank, its exception and its last frames; a rank that
+stopped making progress is named as the culprit, not the peer that timed out waiting for it.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
 import socket
+import threading
+import time
 import uuid
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from core import stop
+from core.distributed.heartbeat import RankStalledError
 from core.errors import ConfigError
 
 # NVLink SHARP / multicast is not available on the lent machines (see KINDS.md): keep NCCL off it.
@@ -44,8 +55,8 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def choose_port(cfg: DictConfig) -> int:
-    """`launcher.port` from the config or MASTER_PORT_OVERRIDE if set (must be free), else a free port."""
-    requested = OmegaConf.select(cfg, "launcher.port", default=None) or os.environ.get("SCALELAB_MASTER_PORT")
+    """`launcher.port` from the config if set (it must be free), else a free port."""
+    requested = OmegaConf.select(cfg, "launcher.port", default=None)
     if requested in (None, "", 0, "0"):
         return free_port()
     port = int(requested)
@@ -55,39 +66,145 @@ def choose_port(cfg: DictConfig) -> int:
     return port
 
 
-def _worker_entry(cfg_container: dict[str, Any]) -> Any:
-    """One rank: rebuild the resolved config and train. Wrapped by `record` so errors reach the agent."""
+# After a rank failed, its peers wait on it and cannot finish: SIGKILL them this long after (time to report
+# an error of their own).
+_KILL_AFTER_S = 2
+# A failed worker ends within this of reporting its error, or is killed (before its peers).
+_EXIT_GRACE_S = 5
+# Signals elastic's agent keeps for itself in the parent; the stop signals are `core.stop`'s.
+_ELASTIC_SIGNALS = "SIGHUP,SIGQUIT"
+# Lines of a failed rank's exception message relayed in `WorkerFailedError` (DCP's carry every rank's traceback).
+_MESSAGE_LINES = 40
+
+
+def _worker_entry(cfg_container: dict[str, Any], threads: int, events: Any) -> Any:
+    """One rank: record stop signals, report its pid on `events`, rebuild the resolved config and train with
+    `threads` CPU threads."""
     import faulthandler
-    import signal
 
-    from core.trainer import train
-
-    # `kill -USR2 <worker pid>` prints every thread's Python stack: where a stuck rank is waiting
-    faulthandler.register(signal.SIGUSR2, all_threads=True)
-    cfg = OmegaConf.create(cfg_container)
-    threads = os.environ.get("SCALELAB_WORKER_THREADS")
-    if threads:  # CPU ranks share the cores instead of each taking all of them
+    with stop.handling_stop_signals():
+        events.put(("started", os.getpid()))  # from now on the parent may forward stop signals here
+        # `kill -QUIT <worker pid>` (or Ctrl-\\) prints every thread's Python stack, then ends the worker
+        faulthandler.register(signal.SIGQUIT, all_threads=True, chain=True)
         import torch
 
-        torch.set_num_threads(int(threads))
-    return train(cfg)
+        from core.trainer import train
+
+        torch.set_num_threads(threads)  # CPU ranks share the cores instead of each taking all of them
+        return train(OmegaConf.create(cfg_container))
 
 
-def _recorded_entry(cfg_container: dict[str, Any]) -> Any:
-    from torch.distributed.elastic.multiprocessing.errors import record
+def _recorded_entry(cfg_container: dict[str, Any], threads: int, events: Any) -> Any:
+    """`_worker_entry`, recording any failure (BaseExceptions such as DCP's CheckpointException included, which
+    elastic's `record` lets pass) in the error file elastic reads back for the parent's message."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
-    return record(_worker_entry)(cfg_container)
+    handler = get_error_handler()
+    handler.initialize()
+    try:
+        return _worker_entry(cfg_container, threads, events)
+    except SystemExit as e:
+        if not e.code:
+            return None
+        handler.record_exception(e)
+        events.put(("failed", os.getpid()))
+        raise
+    except BaseException as e:
+        handler.record_exception(e)
+        events.put(("failed", os.getpid()))
+        raise
 
 
-def _failure_message(failure: Any) -> str:
-    msg = getattr(failure, "message", None)
-    if isinstance(msg, dict):
-        msg = msg.get("message", msg)
-    if not msg or msg == "<N/A>":
-        code = getattr(failure, "exitcode", None)
-        sig = getattr(failure, "signal_name", lambda: "")()
-        msg = f"exited with code {code}" + (f" ({sig})" if sig else "") + " without a Python exception (killed?)"
-    return str(msg).strip().splitlines()[-1] if "\n" in str(msg).strip() else str(msg).strip()
+def _last_frames(callstack: str, n: int = 3) -> list[str]:
+    """The last `n` frames of a formatted traceback, one line each: `file:line in function: code`."""
+    lines = callstack.splitlines()
+    frames = []
+    for i, line in enumerate(lines):
+        if line.startswith('  File "'):
+            where = line.strip()[len('File "'):]
+            path, _, rest = where.partition('", line ')
+            lineno, _, func = rest.partition(", in ")
+            code = lines[i + 1].strip() if i + 1 < len(lines) and lines[i + 1].startswith("    ") else ""
+            frames.append(f"{path}:{lineno} in {func}" + (f": {code}" if code else ""))
+    return frames[-n:]
+
+
+def failure_message(failure: Any) -> tuple[str, list[str]]:
+    """A failed rank's exception type and message (up to `_MESSAGE_LINES` lines) and its last frames, or how
+    its process ended when it left no exception (and no frames)."""
+    data = getattr(failure, "message", None)
+    text, callstack = (data.get("message", ""), data.get("extraInfo", {}).get("py_callstack", "")) \
+        if isinstance(data, dict) else (str(data or ""), "")
+    code = getattr(failure, "exitcode", None)
+    if not text or getattr(failure, "error_file", "<N/A>") == "<N/A>":
+        sig = failure.signal_name() if code is not None and code < 0 else ""
+        return f"exited with code {code}" + (f" ({sig})" if sig else "") + " without a Python exception (killed?)", []
+    lines = text.strip().splitlines()
+    if len(lines) > _MESSAGE_LINES:
+        lines = lines[:_MESSAGE_LINES] + [f"... ({len(lines) - _MESSAGE_LINES} more lines)"]
+    return "\n".join(lines), _last_frames(callstack)
+
+
+def _exit_code(pid: int) -> int | None:
+    """A worker's exit code (negative: the signal that ended it; 0 once elastic's monitor has reaped it, which
+    it does at once), None while it runs. Never reaps it: a second reaper would race elastic's."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return 0
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _send(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:  # it ended meanwhile
+        pass
+
+
+def _supervise_workers(events: Any, done: threading.Event) -> None:
+    """While the workers run: send the stop signal this process recorded to each worker once, and once a worker
+    has failed and exited, SIGKILL the others `_KILL_AFTER_S` later.
+
+    Workers report ("started", pid) on `events` once their own stop handlers are in place, so a forwarded
+    signal never meets a worker still starting, and ("failed", pid) when they raise. Elastic sends the
+    other workers SIGTERM when one fails, but waits 30 s (fixed in torch.multiprocessing) before its
+    SIGKILL: a stopped or wedged rank never reacts to SIGTERM, and the job would outlive its
+    `mesh.timeout_s` by that much. The failed worker must be the first to end (elastic names the first
+    one that ended): one that does not exit within `_EXIT_GRACE_S` of its report is killed first."""
+    pids: list[int] = []
+    signalled: set[int] = set()
+    failed: dict[int, float] = {}  # reported failures: pid -> when
+    ended_at = None  # when the first failed worker had ended
+    while not done.wait(0.1):
+        while not events.empty():
+            event, pid = events.get()
+            if event == "started":
+                pids.append(pid)
+            else:
+                failed.setdefault(pid, time.monotonic())
+        now = time.monotonic()
+        codes = {pid: _exit_code(pid) for pid in pids}
+        for pid, code in codes.items():
+            if code not in (None, 0):
+                failed.setdefault(pid, now)  # died of a signal, no exception to report
+        if ended_at is None:
+            for pid, since in failed.items():
+                if codes.get(pid) is not None:
+                    ended_at = now
+                elif now - since > _EXIT_GRACE_S:
+                    _send(pid, signal.SIGKILL)
+        sig = stop.requested()
+        for pid, code in codes.items():
+            if code is not None:
+                continue
+            if ended_at is not None and now - ended_at > _KILL_AFTER_S:
+                _send(pid, signal.SIGKILL)
+            elif sig is not None and pid not in signalled:
+                signalled.add(pid)
+                _send(pid, sig)
 
 
 def launch_workers(cfg: DictConfig, nproc: int) -> Any:
@@ -98,16 +215,33 @@ def launch_workers(cfg: DictConfig, nproc: int) -> Any:
     port = choose_port(cfg)
     for k, v in WORKER_ENV.items():
         os.environ.setdefault(k, v)
-    os.environ["SCALELAB_WORKER_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    timeout_s = float(OmegaConf.select(cfg, "mesh.timeout_s", default=300))
+    join_timeout_s = float(OmegaConf.select(cfg, "mesh.join_timeout_s", default=600))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"scalelab-{uuid.uuid4().hex[:12]}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
-                          rdzv_configs={"timeout": int(max(60, timeout_s))}, max_restarts=0, monitor_interval=0.2,
-                          start_method="spawn")
+                          rdzv_configs={"timeout": int(join_timeout_s), "join_timeout": int(join_timeout_s),
+                                        "read_timeout": int(join_timeout_s)},
+                          max_restarts=0, monitor_interval=0.2, start_method="spawn",
+                          signals_to_handle=_ELASTIC_SIGNALS, shutdown_timeout=_KILL_AFTER_S)
     container = OmegaConf.to_container(cfg, resolve=True)
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    elastic_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGHUP, signal.SIGQUIT)}
+    events, done = multiprocessing.get_context("spawn").SimpleQueue(), threading.Event()
+    supervisor = threading.Thread(target=_supervise_workers, args=(events, done), name="scalelab-worker-supervisor",
+                                  daemon=True)
+    supervisor.start()
     try:
-        results = elastic_launch(config, _recorded_entry)(container)
+        results = elastic_launch(config, _recorded_entry)(container, threads, events)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        raise WorkerFailedError(f"rank {rank} of {nproc} failed: {_failure_message(failure)}") from None
+        message, frames = failure_message(failure)
+        stalled = f"{RankStalledError.__name__}: "
+        if message.startswith(stalled):  # the culprit is the rank it names, not the one that timed out
+            raise WorkerFailedError(f"{message[len(stalled):]} (reported by rank {rank})") from None
+        raise WorkerFailedError(f"rank {rank} of {nproc} failed: {message}"
+                                + "".join(f"\n    at {frame}" for frame in frames)) from None
+    finally:
+        done.set()
+        supervisor.join()
+        for sig, handler in elastic_handlers.items():  # elastic leaves its own handlers installed
+            signal.signal(sig, handler)
     return results.get(0) if isinstance(results, dict) else results

@@ -7,11 +7,13 @@ RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the SLURM enviro
 (`export_slurm_env`) before the job starts, so `launchers.job.run_job` sees a distributed environment
 and trains this rank in place: never torchrun inside srun.
 
-Pre-emption and time limits: SLURM sends SIGUSR2 `signal_delay_s` before the limit (or on
-`scancel --signal=USR2`). Every rank's handler asks the trainer to checkpoint at the next step boundary
-(`core.trainer.request_checkpoint_and_exit`); the loop saves and returns status "preempted"; rank 0 then
-requeues the job (`scontrol requeue`) and every task exits without a result, so the sweep keeps waiting.
-The requeued job (SLURM_RESTART_COUNT > 0) runs with `resume=auto` and continues from the checkpoint.
+Pre-emption and time limits: SLURM sends `preempt_signal` (SIGUSR2) `signal_delay_s` before the limit
+(or on `scancel --signal=USR2`). Each task records it through `core.stop`, the one signal path of every
+layout: the ranks checkpoint at the next step boundary and the run ends with status "preempted" (a
+one-rank point's task forwards the signal to the worker it spawned); rank 0 then requeues the job
+(`scontrol requeue`) and every task exits without a result, so the sweep keeps waiting. The requeued job
+(SLURM_RESTART_COUNT > 0) runs with `resume=auto` and continues from the checkpoint. SIGTERM and SIGINT
+(scancel) checkpoint too, and end the job with status "stopped", without a requeue.
 A job requeues itself at most `max_num_timeout` times (Slurm's restart count, whatever restarted it);
 after that it ends "preempted", its checkpoint kept, and the sweep counts the point as not finished.
 
@@ -64,14 +66,6 @@ def export_slurm_env() -> bool:
     return True
 
 
-def _preempt_handler(signum: int, frame: Any) -> None:
-    from core.trainer import request_checkpoint_and_exit
-
-    print(f"[scalelab] rank {os.environ.get('RANK', '0')}: caught {signal.Signals(signum).name}: "
-          "checkpointing at the next step boundary, then requeueing", file=sys.stderr, flush=True)
-    request_checkpoint_and_exit()
-
-
 def requeue_current_job() -> None:
     job = os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID")
     job_id = (f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job
@@ -109,9 +103,10 @@ class ScalelabSlurmLauncher(SlurmLauncher):
     # ---- inside every SLURM task ----------------------------------------------------------------
     def __call__(self, sweep_overrides: List[str], job_dir_key: str, job_num: int, job_id: str,
                  singleton_state: Dict[type, Singleton]) -> JobReturn:
+        from core import stop
+
         export_slurm_env()
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")
-        signal.signal(getattr(signal, "SIG" + self.preempt_signal), _preempt_handler)
         overrides = list(sweep_overrides)
         if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0:
             # a requeued job resumes from its newest checkpoint, in the same job directory
@@ -119,33 +114,34 @@ class ScalelabSlurmLauncher(SlurmLauncher):
                                          default=[]) or [])
             overrides = [o for o in overrides if not o.lstrip("+~").startswith("resume=")] + [
                 "resume=auto", f"hydra.job.config.override_dirname.exclude_keys=[{','.join(keep + ['resume'])}]"]
-        ret = super().__call__(overrides, job_dir_key, job_num, job_id, singleton_state)
-        value = getattr(ret, "_return_value", None)
-        if isinstance(value, dict) and value.get("status") == "preempted":
+        try:
+            with stop.handling_stop_signals():  # from here on, not submitit's handlers: the job's own stop path
+                return super().__call__(overrides, job_dir_key, job_num, job_id, singleton_state)
+        except stop.RunStopped as stopped:
+            if stopped.signal != getattr(signal, "SIG" + self.preempt_signal):
+                raise  # scancel: the job ends here, its checkpoint kept
             limit = int(self.params.get("max_num_timeout", 3))
             if not may_requeue(limit):
-                return self._give_up_requeue(ret, value, limit)
+                return self._give_up_requeue(stopped, overrides, limit)
             if int(os.environ.get("RANK", "0")) == 0:
                 requeue_current_job()
                 print("[scalelab] checkpoint saved; job requeued", file=sys.stderr, flush=True)
             else:
                 time.sleep(60)  # the requeue ends this task; no result is written for a preempted run
             sys.exit(-1)
-        return ret
 
     @staticmethod
-    def _give_up_requeue(ret: JobReturn, value: dict, limit: int) -> JobReturn:
+    def _give_up_requeue(stopped: Any, overrides: List[str], limit: int) -> JobReturn:
         """The job has requeued itself `limit` times: end it here, preempted, with its checkpoint kept."""
-        run_dir = OmegaConf.select(ret.cfg, "paths.run_dir", default=None) if ret.cfg is not None else None
+        value = dict(stopped.summary or {"status": "preempted"})
         value["error"] = (f"not requeued: the job was requeued {restart_count()} time(s) already "
                           f"(hydra.launcher.max_num_timeout={limit}); its checkpoints are in "
-                          f"{run_dir or ret.working_dir}: run the point again with resume=auto to continue")
+                          f"{stopped.run_dir}: run the point again with resume=auto to continue")
         if int(os.environ.get("RANK", "0")) == 0:
-            if run_dir:
-
-                write_summary(Path(run_dir), {"error": value["error"]})
+            write_summary(Path(stopped.run_dir), {"error": value["error"]})
             print(f"[scalelab] {value['error']}", file=sys.stderr, flush=True)
-        return ret
+        return JobReturn(overrides=overrides, working_dir=str(stopped.run_dir), status=JobStatus.COMPLETED,
+                         _return_value=value)
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """Submitit's own requeue path (a timeout it signalled itself): resubmit with the same arguments."""

@@ -3,13 +3,15 @@
     run_ranks(fn, world_size=2, args=(...))   # fn(rank, world_size, *args) runs in each rank
 
 Each rank joins a gloo process group (CPU) with a short collective timeout, so a broken
-test fails within `timeout_s` instead of hanging CI. Several checks should share one spawn:
-starting a group costs seconds.
+test fails within `timeout_s` instead of hanging CI; ranks wait for each other to start much
+longer (`init_process_group`'s join timeout), since a loaded CI machine starts them late.
+Several checks should share one spawn: starting a group costs seconds.
 """
 from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 
 import torch
@@ -59,8 +61,11 @@ def backend_threads() -> list[str]:
     return [n for n in names if n.startswith(("pt_gloo", "gloo"))]
 
 
-def run_ranks(fn, world_size: int = 2, args: tuple = (), timeout_s: float = 60.0, join_group: bool = True) -> None:
+def run_ranks(fn, world_size: int = 2, args: tuple = (), timeout_s: float = 60.0, join_group: bool = True,
+              deadline_s: float = 600.0) -> None:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; raise with the first rank's traceback.
+
+    `timeout_s` bounds each collective; `deadline_s` the whole run (a hang outside collectives).
 
     With `join_group=False` the ranks get only the environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT) and
     `fn` joins and leaves the process group itself, as `core.trainer.train` does.
@@ -73,9 +78,9 @@ def run_ranks(fn, world_size: int = 2, args: tuple = (), timeout_s: float = 60.0
              for r in range(world_size)]
     for p in procs:
         p.start()
-    deadline = timeout_s * 2 + 30
+    deadline = time.monotonic() + deadline_s
     for p in procs:
-        p.join(deadline)
+        p.join(max(0.0, deadline - time.monotonic()))
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.kill()
@@ -86,7 +91,7 @@ def run_ranks(fn, world_size: int = 2, args: tuple = (), timeout_s: float = 60.0
         rank, tb = sorted(errors)[0]
         raise AssertionError(f"rank {rank} failed:\n{tb}")
     if alive:
-        raise AssertionError(f"{len(alive)} rank(s) still running after {deadline:.0f}s (hang)")
+        raise AssertionError(f"{len(alive)} rank(s) still running after {deadline_s:.0f}s (hang)")
     bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
     if bad:
         raise AssertionError(f"rank(s) exited abnormally: {bad}")

@@ -107,9 +107,10 @@ def test_invalid_points_are_all_listed_and_nothing_is_submitted(tmp_path: Path):
     assert not (sweep / ".submitit").exists()
 
 
-def test_preemption_signal_checkpoints_requeues_and_resumes(tmp_path: Path):
+@pytest.mark.parametrize("mesh", ["dp1", "dp2"])  # dp1: the task trains in a worker it spawned and forwards to
+def test_preemption_signal_checkpoints_requeues_and_resumes(tmp_path: Path, mesh: str):
     sweep = tmp_path / "sweep"
-    proc = subprocess.Popen([sys.executable, "train.py", "-m", *SLURM_CPU, "mesh=dp2", "parallelism=ddp_bucketed",
+    proc = subprocess.Popen([sys.executable, "train.py", "-m", *SLURM_CPU, f"mesh={mesh}", "parallelism=ddp_bucketed",
                              "train.max_steps=12", "train.log_every=1", "train.eval_every=0",
                              f"hydra.sweep.dir={sweep}"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "HYDRA_FULL_ERROR": "1"})

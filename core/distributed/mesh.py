@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from core.distributed.heartbeat import Heartbeat, RankStalledError
 from core.errors import ConfigError, require
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
@@ -32,8 +33,17 @@ def dist_env_present() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def init_process_group(backend: str, timeout_s: float, **kwargs) -> None:
+DEFAULT_JOIN_TIMEOUT_S = 600.0
+
+
+def init_process_group(backend: str, timeout_s: float, join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
+                       **kwargs) -> dist.Store:
     """`dist.init_process_group` for a process that will leave through `destroy_process_groups()`.
+
+    Ranks meet through the env:// rendezvous (MASTER_ADDR/PORT, RANK, WORLD_SIZE; under torchrun or our
+    launcher, the agent's store) and wait up to `join_timeout_s` for each other there: on a loaded machine
+    a peer may start a minute late. Collectives then fail after `timeout_s` (a dead or stuck peer).
+    `rank` and `world_size` may be given instead of RANK and WORLD_SIZE. Returns the rendezvous store.
 
     First imports the torch modules whose signatures say `group=group.WORLD`: those defaults are evaluated
     at import, and imported after the group exists (torch._dynamo imports them, and so does the first
@@ -43,7 +53,12 @@ def init_process_group(backend: str, timeout_s: float, **kwargs) -> None:
     import torch.distributed.nn.functional  # noqa: F401
     import torch.distributed.optim.zero_redundancy_optimizer  # noqa: F401
 
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    store, rank, world_size = next(dist.rendezvous("env://", rank=kwargs.pop("rank", -1),
+                                                   world_size=kwargs.pop("world_size", -1),
+                                                   timeout=datetime.timedelta(seconds=join_timeout_s)))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return store
 
 
 def destroy_process_groups() -> None:
@@ -90,7 +105,8 @@ class ParallelMesh:
     tp: int = 1
     ep: int = 1
     device: str = "auto"  # auto | cpu | cuda
-    timeout_s: float = 300.0  # a dead rank ends collectives (and the job) within this
+    timeout_s: float = 300.0  # a dead or stuck rank ends collectives (and the job) within this
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S  # how long ranks wait for each other to start
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -108,6 +124,7 @@ class ParallelMesh:
         self._rank = 0
         self._local_rank = 0
         self._initialized = False
+        self._heartbeat: Heartbeat | None = None
 
     # ---- sizes -------------------------------------------------------------
     @property
@@ -171,7 +188,8 @@ class ParallelMesh:
             if not dist.is_initialized():
                 backend = "nccl" if dev == "cuda" else "gloo"
                 kw = {"device_id": torch.device("cuda", self._local_rank)} if dev == "cuda" else {}
-                init_process_group(backend, self.timeout_s, **kw)
+                store = init_process_group(backend, self.timeout_s, self.join_timeout_s, **kw)
+                self._heartbeat = Heartbeat(store, self._rank, self.world_size).start()
             from torch.distributed.device_mesh import init_device_mesh
 
             shape = tuple(getattr(self, a) for a in _RANK_AXES)
@@ -188,7 +206,28 @@ class ParallelMesh:
         """Drop this mesh's DeviceMesh, then leave and free the process groups (`destroy_process_groups`)."""
         self._device_mesh, self._flat = None, {}
         self._initialized = False
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         destroy_process_groups()
+
+    def blame_stalled_ranks(self, exc: BaseException) -> RankStalledError | None:
+        """For a collective that timed out (`exc`), an error naming the ranks that stopped making progress
+        (their heartbeats stood still), to raise instead of blaming this rank; None for other errors."""
+        if self._heartbeat is None or not isinstance(exc, RuntimeError) or "timed out" not in str(exc).lower():
+            return None
+        stalled = self._heartbeat.stalled_ranks()
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if stalled is None:
+            return RankStalledError(f"rank 0 (which hosts the process group's store) of {self.world_size} stopped "
+                                    f"answering: rank {self._rank} timed out after {self.timeout_s:g} s "
+                                    f"(mesh.timeout_s): {first}")
+        if not stalled:
+            return None
+        names = ", ".join(f"rank {r} (pid {pid})" for r, pid in sorted(stalled.items()))
+        return RankStalledError(f"{names} of {self.world_size} stopped making progress: rank {self._rank} waited "
+                                f"{self.timeout_s:g} s (mesh.timeout_s) for {'it' if len(stalled) == 1 else 'them'} "
+                                f"in a collective: {first}")
 
     # ---- per-rank views --------------------------------------------------------
     @property
