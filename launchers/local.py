@@ -29,10 +29,10 @@ from core import stop
 from core.distributed.heartbeat import RankStalledError
 from core.errors import ConfigError
 
-# NVLink SHARP / multicast is not available on the lent machines (see KINDS.md): keep NCCL off it.
+# NVLink SHARP (multicast) is kept off: not every NVLink machine provides it, and NCCL fails where it is missing
 WORKER_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
               "TORCH_NCCL_ENABLE_TIMING": "1",  # per-collective durations for comm_ms
-              "HYDRA_FULL_ERROR": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+              "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 
 
 class WorkerFailedError(RuntimeError):

@@ -106,7 +106,6 @@ class ScalelabSlurmLauncher(SlurmLauncher):
         from core import stop
 
         export_slurm_env()
-        os.environ.setdefault("HYDRA_FULL_ERROR", "1")
         overrides = list(sweep_overrides)
         if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0:
             # a requeued job resumes from its newest checkpoint, in the same job directory
