@@ -301,25 +301,86 @@ def _run_mode(run: Run) -> dict[str, Any]:
     return _train_loop(run)
 
 
+class _MetricWindow:
+    """The steps since the last logged step: their wall-clock marks, from which a logged step reports the median
+    time of the steps that were not communication-timed (`_window_step_seconds`), and every reported time."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[Any, Any, bool]] = []  # (start, end, comm-timed) of each step of the window
+        self.step_times: list[float] = []
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """Start timing anew (after checkpoint I/O, which is not a step's time)."""
+        self.start, self.steps = time.perf_counter(), 0
+
+    def add(self, start: Any, end: Any, timed: bool) -> None:
+        self.marks.append((start, end, timed))
+        self.steps += 1
+
+    def close(self, run: Run) -> float:
+        """Seconds per step of the window now ending (after synchronising the device); a new window starts."""
+        run.synchronize()
+        now = time.perf_counter()
+        step_s = _window_step_seconds(self.marks, (now - self.start) / self.steps)
+        self.marks.clear()
+        self.step_times.append(step_s)
+        self.start, self.steps = now, 0
+        return step_s
+
+
+def _resume(run: Run, ckpt: Checkpointer) -> tuple[int, Path | None]:
+    """Load the checkpoint `resume` names, if any: (the step to start from, the checkpoint or None)."""
+    cfg = run.cfg
+    resume_from = ckpt.resolve(cfg.resume)
+    if resume_from is None:
+        if cfg.resume == "auto" and run.mesh.is_main:
+            print(f"[scalelab] resume=auto: no checkpoint in {ckpt.dir}, starting fresh", flush=True)
+        return 0, None
+    state = ckpt.load(resume_from, run.strategy, run.raw_model, run.optimizer,
+                      OmegaConf.select(cfg, "resume_allow_changes", default=None) or [])
+    run.precision.load_state_dict(state.get("precision", {}))
+    return int(state["step"]), resume_from
+
+
+def _log_record(run: Run, step: int, loss: float, norm: float | None, step_s: float) -> dict[str, Any]:
+    """What a logged step writes to metrics.jsonl and the loggers."""
+    require(math.isfinite(loss) or run.precision.scaler is not None, "optimizer.lr",
+            f"the loss became {loss} at step {step}", "lower optimizer.lr or use bf16/fp32")
+    return {"loss": loss, "lr": run.schedule(step - 1), "grad_norm": norm,
+            "step_time_ms": step_s * 1e3, "tokens_per_s": run.tokens_per_step / step_s,
+            "mfu": run.flops.mfu(step_s), "hfu": run.flops.hfu(step_s),
+            "peak_mem_gib": peak_memory_gib(run.device), "skipped_steps": run.precision.skipped_steps,
+            **run.strategy.step_metrics()}
+
+
+def _stop_reason(run: Run, step: int, is_log: bool) -> tuple[str | None, signal.Signals | None]:
+    """(status, signal) when training must stop after `step`: a stop signal any rank received (agreed at steps
+    that synchronise anyway), or `train.stop_at_step`; (None, None) to go on."""
+    tcfg = run.cfg.train
+    received = _stop_agreed(run.mesh, run.device) if (is_log or run.mesh.world_size == 1) else None
+    if received:
+        return stop.status_for(received), received
+    if tcfg.stop_at_step is not None and tcfg.stop_at_step <= step < tcfg.max_steps:
+        return "stopped", None
+    return None, None
+
+
+def _save(run: Run, ckpt: Checkpointer, step: int) -> None:
+    ckpt.save(step, run.strategy, run.raw_model, run.optimizer, {"precision": run.precision.state_dict()})
+
+
 def _train_loop(run: Run) -> dict[str, Any]:
+    """Train from the start (or the checkpoint `resume` names) to `train.max_steps` or a stop, logging every
+    `train.log_every` steps, evaluating every `train.eval_every`, checkpointing every `checkpoint.every`."""
     cfg, mesh = run.cfg, run.mesh
     tcfg = cfg.train
-    resolved = OmegaConf.to_container(cfg, resolve=True)
     loggers = _build_loggers(cfg, mesh.is_main)
     ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep_last, fingerprint(cfg, mesh.world_size))
-
-    start_step = 0
-    resume_from = ckpt.resolve(cfg.resume)
-    if resume_from is not None:
-        state = ckpt.load(resume_from, run.strategy, run.raw_model, run.optimizer,
-                          OmegaConf.select(cfg, "resume_allow_changes", default=None) or [])
-        start_step = int(state["step"])
-        run.precision.load_state_dict(state.get("precision", {}))
-    elif cfg.resume == "auto" and mesh.is_main:
-        print(f"[scalelab] resume=auto: no checkpoint in {ckpt.dir}, starting fresh", flush=True)
+    start_step, resume_from = _resume(run, ckpt)
     earlier = _logged_before(run.run_dir, start_step) if resume_from is not None else _Logged()
 
-    loggers.start(resolved, run.run_dir, tcfg.max_steps)
+    loggers.start(OmegaConf.to_container(cfg, resolve=True), run.run_dir, tcfg.max_steps)
     if mesh.is_main:
         print(f"[scalelab] {run.model_cfg.name}: {run.model_cfg.num_params() / 1e6:.2f}M params | "
               f"{run.data.describe()} | {mesh.describe()} on {run.device} | {run.strategy.name} | "
@@ -328,13 +389,11 @@ def _train_loop(run: Run) -> dict[str, Any]:
         if run.flops.peak_flops_per_device is None:
             print(f"[scalelab] {run.flops.peak_source}", flush=True)
 
-    step_times: list[float] = []
-    step_marks: list[tuple[Any, Any, bool]] = []  # (start, end, comm-timed) of each step of the current window
+    window = _MetricWindow()
     history: list[dict[str, Any]] = []
     # a resumed run's summary covers the whole run: losses logged before the checkpoint count
     first_loss, last_loss, val_loss = earlier.first_loss, earlier.last_loss, earlier.val_loss
     status, stop_signal = "ok", None
-    window_start, window_steps = time.perf_counter(), 0
     step = start_step
     reset_peak_memory(run.device)
     try:
@@ -343,40 +402,23 @@ def _train_loop(run: Run) -> dict[str, Any]:
             run.strategy.measure_communication(is_log)
             start = _step_mark(run.device)
             loss, norm = run.train_step(step, measure_norm=is_log)
-            step_marks.append((start, _step_mark(run.device), is_log))
+            window.add(start, _step_mark(run.device), is_log)
             step += 1
-            window_steps += 1
             if is_log:
-                run.synchronize()
-                now = time.perf_counter()
-                wall_s = (now - window_start) / window_steps
-                step_s = _window_step_seconds(step_marks, wall_s)
-                step_marks.clear()
-                step_times.append(step_s)
-                window_start, window_steps = now, 0
+                step_s = window.close(run)
                 last_loss = all_reduce_mean(loss, mesh)
                 first_loss = last_loss if first_loss is None else first_loss
-                rec = {"loss": last_loss, "lr": run.schedule(step - 1), "grad_norm": norm,
-                       "step_time_ms": step_s * 1e3, "tokens_per_s": run.tokens_per_step / step_s,
-                       "mfu": run.flops.mfu(step_s), "hfu": run.flops.hfu(step_s),
-                       "peak_mem_gib": peak_memory_gib(run.device), "skipped_steps": run.precision.skipped_steps,
-                       **run.strategy.step_metrics()}
-                require(math.isfinite(last_loss) or run.precision.scaler is not None, "optimizer.lr",
-                        f"the loss became {last_loss} at step {step}", "lower optimizer.lr or use bf16/fp32")
-                history.append(rec)
-                loggers.log(rec, step)
+                history.append(_log_record(run, step, last_loss, norm, step_s))
+                loggers.log(history[-1], step)
             if tcfg.eval_every and step % tcfg.eval_every == 0 and step < tcfg.max_steps:
                 val_loss = run.evaluate()
                 loggers.log({"val_loss": val_loss}, step)
-            every = cfg.checkpoint.every
-            stop_here = tcfg.stop_at_step is not None and step >= tcfg.stop_at_step and step < tcfg.max_steps
-            stop_signal = _stop_agreed(mesh, run.device) if (is_log or mesh.world_size == 1) else None
-            if (every and step % every == 0) or stop_signal or stop_here:
-                ckpt.save(step, run.strategy, run.raw_model, run.optimizer,
-                          {"precision": run.precision.state_dict()})
-                window_start = time.perf_counter()  # keep checkpoint I/O out of step times
-            if stop_signal or stop_here:
-                status = stop.status_for(stop_signal) if stop_signal else "stopped"
+            stop_status, stop_signal = _stop_reason(run, step, is_log)
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or stop_status:
+                _save(run, ckpt, step)
+                window.restart_clock()  # keep checkpoint I/O out of step times
+            if stop_status:
+                status = stop_status
                 break
         finished_before = step == start_step and resume_from is not None
         if finished_before and mesh.is_main:
@@ -386,7 +428,8 @@ def _train_loop(run: Run) -> dict[str, Any]:
             val_loss = run.evaluate()
             loggers.log({"val_loss": val_loss}, step)
         if status == "ok" and (cfg.checkpoint.at_end or cfg.checkpoint.every) and not finished_before:
-            ckpt.save(step, run.strategy, run.raw_model, run.optimizer, {"precision": run.precision.state_dict()})
+            _save(run, ckpt, step)
+        step_times = window.step_times
         if step == start_step:  # no step ran here: the timings are the logged ones
             step_times, history = earlier.step_times, earlier.history
         summary = _summary(run, status, step, first_loss, last_loss, val_loss, step_times, history)
