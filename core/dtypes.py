@@ -23,7 +23,8 @@ def parse_dtype(value: Union[str, torch.dtype, None], key: str,
             raise ConfigError(key, f"unknown dtype {value!r}", "use bf16, fp16 or fp32 (or bfloat16, float16, float32)")
     if dtype is not None and dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
-        raise ConfigError(key, f"{str(dtype).removeprefix('torch.')} is not supported here", f"use one of {names}")
+        written = repr(value) if isinstance(value, str) else repr(str(dtype).removeprefix("torch."))
+        raise ConfigError(key, f"{written} is not supported here", f"use one of {names}")
     return dtype
 
 

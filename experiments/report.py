@@ -68,7 +68,8 @@ def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
             summary = {"status": "failed", "error": f"unreadable summary.json: {e}"}
         job = path.parent
         row: dict[str, Any] = {"job": str(job.relative_to(sweep_dir)) or ".", "status": summary.get("status", "?"),
-                               "error": summary.get("error"), "swept": _overrides(summary)}
+                               "error": summary.get("error"), "signal": summary.get("signal"),
+                               "swept": _overrides(summary)}
         peaks = summary.get("peak_mem_gib_per_rank")
         row["peak_mem_gib_per_rank"] = peaks if isinstance(peaks, list) else None
         for k, _ in MEASURED:
@@ -286,14 +287,16 @@ def report(sweep_dir: str | Path, quiet: bool = False, rows: Optional[list[dict[
     return out
 
 
-# A point finished when its run reached the end of its schedule, or the step `train.stop_at_step` asked for.
+# A point finished when its run reached the end of its schedule, or the step `train.stop_at_step` asked for;
+# a run a signal stopped ("stopped" with its signal named: scancel, Ctrl-C) did not.
 FINISHED = ("ok", "stopped")
 
 
 def unfinished_points(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per point that did not finish: '<job dir>: <status>: <error>'."""
-    return [f"{r['job']}: {r['status']}" + (f": {r['error']}" if r["error"] else "")
-            for r in rows if r["status"] not in FINISHED]
+    """One line per point that did not finish: '<job dir>: <status>[ by <signal>]: <error>'."""
+    return [f"{r['job']}: {r['status']}" + (f" by {r['signal']}" if r.get("signal") else "")
+            + (f": {r['error']}" if r["error"] else "")
+            for r in rows if r["status"] not in FINISHED or r.get("signal")]
 
 
 class SweepReportCallback(Callback):

@@ -17,7 +17,7 @@ def test_names_parse(name, dtype):
 def test_unknown_or_unsupported_names_their_key():
     with pytest.raises(ConfigError, match=r"^parallelism.comm_dtype: unknown dtype 'int8'"):
         parse_dtype("int8", "parallelism.comm_dtype")
-    with pytest.raises(ConfigError, match=r"^parallelism.compute_dtype: float16 is not supported here"):
+    with pytest.raises(ConfigError, match=r"^parallelism.compute_dtype: 'fp16' is not supported here"):
         parse_dtype("fp16", "parallelism.compute_dtype", allowed=(torch.bfloat16,))
 
 

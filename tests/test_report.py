@@ -131,14 +131,17 @@ def test_command_line(sweep: Path):
 def test_a_sweep_with_unfinished_points_ends_with_status_1_listing_them(sweep: Path, capsys):
     _job(sweep, "2_mesh=dp2,parallelism=fsdp2", ["mesh=dp2"], status="running")  # its job died without a word
     _job(sweep, "3_mesh=dp2,parallelism=ddp_flat", ["mesh=dp2"], status="stopped", error=None)  # train.stop_at_step
+    _job(sweep, "4_mesh=dp2,parallelism=ddp_bucketed", ["mesh=dp2"], status="stopped", error=None,
+         signal="SIGTERM")  # scancel or Ctrl-C: checkpointed, but its schedule did not end
     config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}})
     with pytest.raises(SystemExit) as e:
         SweepReportCallback().on_multirun_end(config=config)
     assert e.value.code == 1
     err = capsys.readouterr().err
-    assert "error: 2 of 5 sweep points did not finish:" in err
+    assert "error: 3 of 6 sweep points did not finish:" in err
     failed = [line.strip() for line in err.splitlines() if line.startswith("  ")]
     assert failed == ["2_mesh=dp2,parallelism=fsdp2: running",
+                      "4_mesh=dp2,parallelism=ddp_bucketed: stopped by SIGTERM",
                       "10_mesh=dp2,parallelism=zero1: failed: RuntimeError: boom | with a pipe"]
     assert (sweep / "report.md").is_file()  # the report is written first
 
