@@ -4,7 +4,8 @@ Why: at short sequences an eager forward+backward is bound by host time, not by 
 `torch.autograd.Function` it costs more host time than SDPA's whole C++ path: the Python node, the Python
 backward that autograd's device thread runs, and the Python launch path.
 
-How: `FlashAttentionTriton.apply` hands eager CUDA calls to `attention`. The first call of an input signature
+How: `FlashAttentionTriton.apply` hands eager CUDA calls to `attention` (installed there when this module is
+imported, which importing `core.kernels` does). The first call of an input signature
 (sizes, strides, dtype, 16-byte alignment, aliasing, causal, device) runs flash_triton's Python forward under a
 `_Recorder`, which sees every allocation (a TorchDispatchMode) and every kernel launch (flash_triton._run reports
 each compiled kernel, its grid and its arguments). If the forward did nothing else, the recording becomes a plan:
@@ -270,3 +271,6 @@ class _Recorder(TorchDispatchMode):
         scratch = md.global_scratch_size * gx * gy * gz if getattr(md, "global_scratch_size", 0) else 0
         _kernels.add(kernel)
         return (int(kernel.function), [gx, gy, gz], 32 * md.num_warps, md.shared, scratch, params)
+
+
+ft.install_eager_path(attention, forget_plans)

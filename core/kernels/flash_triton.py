@@ -38,13 +38,15 @@ Inside `torch.compile` the work goes through the opaque custom ops
 Eager CUDA calls of `FlashAttentionTriton` go through `flash_native`'s C++ autograd node, which replays the
 allocations and launches this module's Python path made for the same input signature (at short sequences host
 time, not the kernels, bounds a call); `NATIVE_NODE = False` or SCALELAB_FLASH_NATIVE=0 keeps the Python Function.
+flash_native builds on this module, so it installs itself here (`install_eager_path`, when `core.kernels` is
+imported): this module never imports it.
 """
 from __future__ import annotations
 
 import math
 import os
-import sys
 import threading
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -78,6 +80,19 @@ class _RecorderSlot(threading.local):
 
 
 _RECORDER = _RecorderSlot()
+
+# The eager CUDA path ahead of the Python Function, and what to call when pinned tiles change the launches:
+# flash_native's C++ node and its plan reset, installed by `install_eager_path`; None: the Python Function only.
+_eager_call: Callable[[Tensor, Tensor, Tensor, bool], Optional[Tensor]] | None = None
+_eager_forget: Callable[[], None] | None = None
+
+
+def install_eager_path(call: Callable[[Tensor, Tensor, Tensor, bool], Optional[Tensor]],
+                       forget_plans: Callable[[], None]) -> None:
+    """Route eager CUDA calls of `FlashAttentionTriton` through `call(q, k, v, is_causal)` first (it returns the
+    output, or None for the Python Function); `forget_plans()` runs when `pin_configs` changes the tiles."""
+    global _eager_call, _eager_forget
+    _eager_call, _eager_forget = call, forget_plans
 
 
 if HAVE_TRITON:
@@ -787,9 +802,8 @@ def pin_configs(fwd=None, dq=None, dkdv=None, fused=None) -> None:
     for name, c in (("fwd", fwd), ("dq", dq), ("dkdv", dkdv), ("fused", fused)):
         if c is not None:
             _PINNED[name] = tuple(c)
-    native = sys.modules.get("core.kernels.flash_native")
-    if native is not None:  # the C++ node's plans hold the tiles they were recorded with
-        native.forget_plans()
+    if _eager_forget is not None:  # the C++ node's plans hold the tiles they were recorded with
+        _eager_forget()
 
 
 def _seq_class(n: int, zh: int = 1 << 30) -> int:
@@ -1356,17 +1370,6 @@ def _compiling() -> bool:
         return False
 
 
-_NATIVE = None
-
-
-def _flash_native():
-    global _NATIVE
-    if _NATIVE is None:
-        from core.kernels import flash_native
-        _NATIVE = flash_native
-    return _NATIVE
-
-
 class FlashAttentionTriton(torch.autograd.Function):
     """FlashAttention-2 in Triton: ``FlashAttentionTriton.apply(q, k, v, is_causal=False)``.
 
@@ -1382,9 +1385,9 @@ class FlashAttentionTriton(torch.autograd.Function):
     def apply(cls, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> Tensor:
         # eager CUDA calls of this class go through flash_native's C++ autograd node where it has a plan for
         # the input signature (the host-bound short sequences); everything else through this Python Function
-        if cls is FlashAttentionTriton and NATIVE_NODE and q.__class__ is Tensor and k.__class__ is Tensor \
-                and v.__class__ is Tensor and q.is_cuda and not _compiling():
-            out = _flash_native().attention(q, k, v, bool(is_causal))
+        if cls is FlashAttentionTriton and NATIVE_NODE and _eager_call is not None and q.__class__ is Tensor \
+                and k.__class__ is Tensor and v.__class__ is Tensor and q.is_cuda and not _compiling():
+            out = _eager_call(q, k, v, bool(is_causal))
             if out is not None:
                 return out
         return super().apply(q, k, v, is_causal)
