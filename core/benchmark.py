@@ -2,7 +2,8 @@
 
 Modes: `forward` (forward + loss, graph kept as in training), `forward_backward`
 (+ backward and gradient synchronisation), `train_step` (+ clipping and optimizer step).
-Prints a table and writes it (markdown and JSON) to the run directory.
+Prints a table and writes it (markdown and JSON) to the run directory. A stop signal (core/stop.py) ends
+the steps early: the steps timed so far are reported, with status "stopped".
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import statistics
 import time
 from typing import Any, Callable
 
+from core import stop
 from core.errors import require
 from core.metrics import peak_memory_gib, reset_peak_memory
 from core.summary import write_summary
@@ -30,10 +32,14 @@ def _step_fn(run, mode: str) -> Callable[[int], None]:
 
 
 def time_steps(run, mode: str, warmup: int, steps: int) -> list[float]:
-    """Seconds per step for `steps` timed steps after `warmup` untimed ones."""
+    """Seconds per step for `steps` timed steps after `warmup` untimed ones; fewer when a stop signal arrives
+    (checked after each step, outside its timing, agreed by every rank)."""
     fn = _step_fn(run, mode)
     for i in range(warmup):
         fn(i)
+        run.synchronize()
+        if stop.agreed(run.mesh, run.device):
+            return []
     run.synchronize()
     run.mesh.barrier()
     reset_peak_memory(run.device)
@@ -43,6 +49,8 @@ def time_steps(run, mode: str, warmup: int, steps: int) -> list[float]:
         fn(warmup + i)
         run.synchronize()
         times.append(time.perf_counter() - t0)
+        if i + 1 < steps and stop.agreed(run.mesh, run.device):
+            break
     return times
 
 
@@ -52,17 +60,25 @@ def run_benchmark(run) -> dict[str, Any]:
     require(cfg.steps >= 1 and cfg.warmup >= 0, "benchmark.steps", "need steps >= 1 and warmup >= 0",
             "set benchmark.steps and benchmark.warmup")
     times = time_steps(run, cfg.mode, cfg.warmup, cfg.steps)
+    row = {
+        "status": "ok" if len(times) == cfg.steps else "stopped", "benchmark_mode": cfg.mode,
+        "model": run.model_cfg.name, "precision": run.precision.name,
+        "attention": run.attention, "compile": bool(run.cfg.compile),
+        "parallelism": run.strategy.name, "mesh": run.mesh.describe(), "world_size": run.mesh.world_size,
+        "batch_size": run.cfg.train.batch_size, "seq_len": run.data.seq_len,
+        "warmup": cfg.warmup, "steps": len(times), "steps_requested": cfg.steps,
+    }
+    if not times:  # stopped during the warm-up: nothing was timed
+        if run.mesh.is_main:
+            write_summary(run.run_dir, row)
+        return row
     ms = [t * 1e3 for t in times]
     mean = statistics.fmean(ms)
     std = statistics.stdev(ms) if len(ms) > 1 else 0.0
     median = statistics.median(ms)
     flops = run.flops.model_flops_per_step * {"forward": 1 / 3, "forward_backward": 1.0, "train_step": 1.0}[cfg.mode]
-    row = {
-        "status": "ok", "benchmark_mode": cfg.mode, "model": run.model_cfg.name, "precision": run.precision.name,
-        "attention": run.attention, "compile": bool(run.cfg.compile),
-        "parallelism": run.strategy.name, "mesh": run.mesh.describe(), "world_size": run.mesh.world_size,
-        "batch_size": run.cfg.train.batch_size, "seq_len": run.data.seq_len,
-        "warmup": cfg.warmup, "steps": cfg.steps, "mean_ms": mean, "std_ms": std, "median_ms": median,
+    row |= {
+        "mean_ms": mean, "std_ms": std, "median_ms": median,
         "min_ms": min(ms), "step_time_ms": median,
         "tokens_per_s": run.tokens_per_step / (median / 1e3),
         "tflops_per_s_per_device": flops / (median / 1e3) / 1e12 / run.mesh.world_size,

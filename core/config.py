@@ -3,8 +3,11 @@
 `${mul:a,b,...}` multiplies integers, so a preset can scale the global batch with the mesh
 (weak scaling): `train.batch_size: ${mul:4,${mesh.dp_replicate},${mesh.dp_shard}}`.
 
-`${unique_dir:path}` is `path`, or `path_2`, `path_3`, ... when that is taken: the run directory's
-name has a one-second clock, and two runs started in the same second must not share a directory.
+`${unique_dir:path}` is `path`, or `path_2`, `path_3`, ... when that is taken: run and sweep directories'
+names have a one-second clock, and two runs (or sweeps) started in the same second must not share one.
+
+`${path_safe:text}` is `text` with each `/` replaced by `∕` (U+2215): a sweep point's directory is named after
+its overrides, and a value that is a path (`data.path=/data/x.bin`) must not nest directories.
 """
 import itertools
 import math
@@ -36,7 +39,16 @@ def unique_dir(path: str) -> str:
     return _claimed[path]
 
 
+def path_safe(text: str) -> str:
+    """`text` usable as one directory name: its path separators replaced by a look-alike."""
+    return str(text).replace(os.sep, "\u2215")
+
+
+if not OmegaConf.has_resolver("path_safe"):
+    OmegaConf.register_new_resolver("path_safe", path_safe)
 if not OmegaConf.has_resolver("mul"):
     OmegaConf.register_new_resolver("mul", lambda *xs: math.prod(int(x) for x in xs))
 if not OmegaConf.has_resolver("unique_dir"):
-    OmegaConf.register_new_resolver("unique_dir", unique_dir)
+    # cached: Hydra copies a config's resolver cache into each sweep point's config, and submitit pickles it
+    # with the job, so a point (on this host or a Slurm node) gets the directory this process claimed
+    OmegaConf.register_new_resolver("unique_dir", unique_dir, use_cache=True)

@@ -1,8 +1,12 @@
-"""Profile mode: peak memory, a torch.profiler trace, NVTX ranges and a CUDA memory snapshot of a run's steps."""
+"""Profile mode: peak memory, a torch.profiler trace, NVTX ranges and a CUDA memory snapshot of a run's steps.
+
+A stop signal (core/stop.py) ends the profiled steps early; the trace of the steps done is still written, with
+status "stopped"."""
 from __future__ import annotations
 
 import torch
 
+from core import stop
 from core.nvtx import nvtx_range, set_nvtx_enabled
 from core.summary import write_summary
 
@@ -33,13 +37,18 @@ def run_profile(run) -> dict:
     if cuda and cfg.memory_snapshot:
         torch.cuda.memory._record_memory_history(max_entries=cfg.max_memory_events)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    steps = 0
     with profile(activities=activities, record_shapes=True, profile_memory=True, with_stack=False) as prof:
-        for i in range(cfg.steps):
+        while steps < cfg.steps and not stop.agreed(run.mesh, run.device):
             with record_function("train_step"):
-                run.forward_backward(1000 + i)  # NVTX "forward" / "backward" ranges inside
+                run.forward_backward(1000 + steps)  # NVTX "forward" / "backward" ranges inside
                 with nvtx_range("optimizer_step"):
-                    run.optimizer_step(1000 + i, measure_norm=False)
+                    run.optimizer_step(1000 + steps, measure_norm=False)
             run.synchronize()
+            steps += 1
+    result["steps"] = steps
+    if steps < cfg.steps:
+        result["status"] = "stopped"
     trace = out / "trace.json"
     prof.export_chrome_trace(str(trace))
     result["trace"] = str(trace)

@@ -54,6 +54,21 @@ def request(sig: int) -> None:
         _received = signal.Signals(sig)
 
 
+def agreed(mesh: Any, device: Any) -> signal.Signals | None:
+    """The stop signal any rank received, the same on every rank (the highest signal number wins); None to go
+    on. A collective on more than one rank: call it where every rank calls it, at steps that synchronise
+    anyway, so a signal landing between two ranks' checks cannot leave them a step apart."""
+    received = requested()
+    if mesh.world_size == 1:
+        return received
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([float(received or 0)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return signal.Signals(int(flag.item())) if flag.item() else None
+
+
 def status_for(sig: int) -> str:
     """Summary status of a run that a signal stopped: "preempted" for USR1/USR2, else "stopped"."""
     return "preempted" if signal.Signals(sig) in PREEMPT_SIGNALS else "stopped"

@@ -156,18 +156,6 @@ def _window_step_seconds(marks: list[tuple[Any, Any, bool]], wall_s: float) -> f
     return statistics.median(untimed or [seconds(a, b) for a, b, _ in marks])
 
 
-def _stop_agreed(mesh: ParallelMesh, device: torch.device) -> signal.Signals | None:
-    """The stop signal any rank received (`core.stop`), the same on every rank; None to go on. Checked only at
-    steps that synchronise anyway (log steps), so a signal landing between two ranks' checks cannot leave
-    them one step apart in their collectives."""
-    received = stop.requested()
-    if mesh.world_size == 1:
-        return received
-    flag = torch.tensor([float(received or 0)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return signal.Signals(int(flag.item())) if flag.item() else None
-
-
 def all_reduce_mean(value: torch.Tensor, mesh: ParallelMesh) -> float:
     """Mean of a scalar over the data-parallel ranks (a no-op on one rank)."""
     group = mesh.group("dp")
@@ -358,7 +346,7 @@ def _stop_reason(run: Run, step: int, is_log: bool) -> tuple[str | None, signal.
     """(status, signal) when training must stop after `step`: a stop signal any rank received (agreed at steps
     that synchronise anyway), or `train.stop_at_step`; (None, None) to go on."""
     tcfg = run.cfg.train
-    received = _stop_agreed(run.mesh, run.device) if (is_log or run.mesh.world_size == 1) else None
+    received = stop.agreed(run.mesh, run.device) if (is_log or run.mesh.world_size == 1) else None
     if received:
         return stop.status_for(received), received
     if tcfg.stop_at_step is not None and tcfg.stop_at_step <= step < tcfg.max_steps:

@@ -44,11 +44,15 @@ def _job_context(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
-def _finish_summary(run_dir: Path, final: dict[str, Any]) -> None:
-    """Write `final` into summary.json if it still says "running" (the run stopped before its loop wrote one)."""
+def _record_stop(run_dir: Path, sig: signal.Signals) -> None:
+    """After a stop signal: summary.json names the signal, and one that still says "running" (the run stopped
+    before its loop wrote a status) gets the stop's status."""
     path = run_dir / "summary.json"
-    if path.is_file() and json.loads(path.read_text()).get("status") == "running":
-        write_summary(run_dir, final)
+    if path.is_file():
+        update: dict[str, Any] = {"signal": sig.name}
+        if json.loads(path.read_text()).get("status") == "running":
+            update["status"] = stop.status_for(sig)
+        write_summary(run_dir, update)
 
 
 def _is_signal(exc: BaseException) -> bool:
@@ -141,11 +145,16 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
             sig = signal.Signals[signal_name] if signal_name else received
             if int(os.environ.get("RANK", "0")) == 0:
                 run_dir = Path(cfg.paths.run_dir)
-                _finish_summary(run_dir, {"status": stop.status_for(sig), "signal": sig.name})
+                _record_stop(run_dir, sig)
                 step = summary.get("steps") if isinstance(summary, dict) else None
-                print(f"[scalelab] stopped by {sig.name}" + (f" at step {step}" if step is not None else "")
-                      + f"; continue with: python train.py <same overrides> resume=auto hydra.run.dir={run_dir}",
-                      file=sys.stderr, flush=True)
+                if cfg.benchmark.enabled or cfg.profile.enabled:  # nothing to resume: the steps done are reported
+                    what = "benchmark" if cfg.benchmark.enabled else "profile"
+                    print(f"[scalelab] {what} stopped by {sig.name}" + (f" after {step} timed steps" if step else "")
+                          + f"; what it measured is in {run_dir}", file=sys.stderr, flush=True)
+                else:
+                    print(f"[scalelab] stopped by {sig.name}" + (f" at step {step}" if step is not None else "")
+                          + f"; continue with: python train.py <same overrides> resume=auto hydra.run.dir={run_dir}",
+                          file=sys.stderr, flush=True)
             raise stop.RunStopped(sig, summary if isinstance(summary, dict) else None, Path(cfg.paths.run_dir))
         return summary
 

@@ -39,6 +39,7 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+import core.config  # noqa: F401  the resolvers a job's config uses, registered in the Slurm task's process too
 from core.errors import ConfigError, require
 from core.summary import write_summary
 from launchers.slurm_resources import Partition, check_request, choose_cpus_per_task, choose_gpus, read_partition

@@ -100,6 +100,39 @@ def test_two_runs_started_at_once_get_two_directories(tmp_path):
         assert read_summary(run_dir)["status"] == "ok"
 
 
+def test_two_sweeps_started_at_once_get_two_directories(tmp_path):
+    """Two sweeps asking for the same directory at once (the default's clock has one-second resolution): each
+    gets its own, and each sweep's points write under the directory it claimed."""
+    command = [*_train_command("seed=1,2", f"hydra.sweep.dir=${{unique_dir:{tmp_path / 'sweep'}}}")]
+    command.insert(2, "-m")
+    procs = [subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert sorted(d.name for d in tmp_path.iterdir()) == ["sweep", "sweep_2"]
+    for sweep in (tmp_path / "sweep", tmp_path / "sweep_2"):
+        jobs = sorted(d.name for d in sweep.iterdir() if d.is_dir() and not d.name.startswith("."))
+        assert len(jobs) == 2 and jobs[0].startswith("0_") and "seed=1," in jobs[0] and "seed=2," in jobs[1], jobs
+        for job in jobs:
+            assert [r["step"] for r in read_metrics(sweep / job) if "loss" in r] == [1, 2]
+            assert read_summary(sweep / job)["status"] == "ok"
+
+
+def test_the_default_sweep_directory_holds_its_points(tmp_path):
+    """The default sweep directory is claimed once: its points, resolving it again, land in it (not in `_2`),
+    each in one directory even where the swept value is a path."""
+    command = _train_command(f"paths.output_root={tmp_path / 'out'}",
+                             f"checkpoint.dir={tmp_path / 'ck1'},{tmp_path / 'ck2'}")
+    command.insert(2, "-m")
+    r = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (sweep,) = (tmp_path / "out" / "sweeps").glob("*/*")
+    assert re.fullmatch(r"\d\d-\d\d-\d\d", sweep.name), sweep
+    jobs = sorted(p.parent.name for p in sweep.glob("*/summary.json"))
+    assert len(jobs) == 2 and "ck1" in jobs[0] and "ck2" in jobs[1] and "paths.output_root" not in jobs[0], jobs
+    assert not (tmp_path / "out" / "runs").exists()  # a sweep makes no run directory
+
+
 def test_debug_overfit_memorises_its_batch(tmp_path):
     """debug=overfit trains on one fixed batch: the loss must fall from ~5.5 (uniform over 256 bytes) under 0.5."""
     run_job(compose_cfg(["debug=overfit", "logger=none", "train.eval_batches=1"], tmp_path))

@@ -7,6 +7,7 @@ rank's whole message and last frames reach the job's error.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -110,6 +111,44 @@ def test_sigterm_to_the_parent_of_two_ranks_checkpoints_and_resumes(tmp_path):
     """Only the parent is signalled: it forwards the signal, both ranks agree on the step and save it."""
     step = _stop_and_check(tmp_path / "run", signal.SIGTERM, "stopped", *TWO_RANKS)
     _resume_two_steps(tmp_path / "run", step, *TWO_RANKS)
+
+
+def _wait_for_status(proc: subprocess.Popen, run_dir: Path, status: str, timeout_s: float = 180) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if read_summary(run_dir).get("status") == status:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"summary status never read {status!r} within {timeout_s} s (rc {proc.poll()})")
+
+
+@pytest.mark.parametrize("mode, sig", [(("benchmark.enabled=true", "benchmark.warmup=0", "benchmark.steps=1000000"),
+                                        signal.SIGTERM),
+                                       (("profile.enabled=true", "profile.warmup=0", "profile.steps=1000000"),
+                                        signal.SIGINT)], ids=["benchmark", "profile"])
+def test_a_signal_ends_a_benchmark_or_profile_run_with_what_it_measured(tmp_path, mode, sig):
+    """Before, both ran their million steps to the end whatever the signal; now they stop at the next step and
+    report the steps done."""
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, *mode)
+    _wait_for_status(proc, run_dir, "running")  # written inside the signal handling, before the steps
+    time.sleep(3)
+    proc.send_signal(sig)
+    out, err, left_behind = _finish(proc)
+    assert proc.returncode == 128 + sig, (proc.returncode, err[-3000:])
+    s = read_summary(run_dir)
+    assert s["status"] == "stopped" and s["signal"] == sig.name, s
+    assert s["steps"] < 1000000, s
+    if mode[0].startswith("benchmark"):
+        assert f"benchmark stopped by {sig.name}" in err and "resume=auto" not in err, err[-2000:]
+        if s["steps"]:  # stopped in the timed steps: their figures were written
+            assert json.loads((run_dir / "benchmark.json").read_text())["steps"] == s["steps"]
+    else:
+        assert f"profile stopped by {sig.name}" in err, err[-2000:]
+        assert (run_dir / "trace.json").is_file() and (run_dir / "profile_table.txt").is_file()
 
 
 def _worker_pids(parent: int) -> list[int]:

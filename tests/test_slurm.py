@@ -70,10 +70,11 @@ def _train(args: list[str], timeout: int = 240, **kw) -> subprocess.CompletedPro
 
 
 def test_two_point_sweep_of_two_rank_jobs(tmp_path: Path):
-    sweep = tmp_path / "sweep"
+    """On the default sweep directory: claimed once by the submitting process, the one every Slurm task writes in."""
     r = _train([*SLURM_CPU, "mesh=dp2", "parallelism=ddp_bucketed,ddp_flat", "train.max_steps=4",
-                "train.log_every=2", f"hydra.sweep.dir={sweep}"])
+                "train.log_every=2", f"paths.output_root={tmp_path}"])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (sweep,) = (tmp_path / "sweeps").glob("*/*")
     jobs = sorted(p.parent for p in sweep.glob("*/summary.json"))
     assert len(jobs) == 2
     for job in jobs:
@@ -187,6 +188,6 @@ def test_max_num_timeout_bounds_the_requeues(tmp_path: Path):
     s = json.loads((metrics.parent / "summary.json").read_text())
     assert s["status"] == "preempted" and "max_num_timeout=0" in s["error"], s
     assert list((metrics.parent / "checkpoints").iterdir()), "no checkpoint was saved on the signal"
-    assert "error: 1 of 1 sweep points did not finish:" in out and "preempted: not requeued" in out, out[-4000:]
+    assert "error: 1 of 1 sweep points did not finish:" in out and "preempted by SIGUSR2: not requeued" in out, out[-4000:]
     logs = "".join(p.read_text() for p in (sweep / ".submitit").rglob("*_0_log.*"))
     assert "job requeued" not in logs
