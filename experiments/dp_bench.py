@@ -7,11 +7,10 @@
         --variant ddp_bucketed:comm_dtype=bfloat16,env.NCCL_MAX_CTAS=8 \
         --variant zero1:overlap_param_gather=false --env NCCL_DEBUG=WARN
 
-Experiment knob (env): `SCALELAB_BENCH_STREAM_PRIORITY=-1` runs the compute on a high-priority CUDA stream,
-so the block scheduler serves compute kernels before the NCCL kernels running beside them.
-`SCALELAB_BENCH_MEMORY_HISTORY=DIR` records every CUDA allocation from model set-up to the end of the first
-step and writes one snapshot per rank to DIR; `python3 experiments/memory_peak.py DIR/*.pickle` lists what
-is alive at each one's peak.
+Experiment knobs: `--stream-priority -1` runs the compute on a high-priority CUDA stream, so the block
+scheduler serves compute kernels before the NCCL kernels running beside them. `--memory-history DIR` records
+every CUDA allocation from model set-up to the end of the first step and writes one snapshot per rank to DIR;
+`python3 experiments/memory_peak.py DIR/*.pickle` lists what is alive at each one's peak.
 
 Without `--variant`, a GPU run adds two rows: `ddp_bucketed` and `zero1` with `compute_dtype=bfloat16` (their
 Linear layers' bf16 gradients all-reduced in bf16; opt-in, see docs/data_parallel.md).
@@ -84,9 +83,9 @@ def _worker(job: dict) -> dict:
     dev = mesh.device_obj
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
-        priority = os.environ.get("SCALELAB_BENCH_STREAM_PRIORITY")
-        if priority:  # an experiment knob: forward/backward/optimizer on a stream of this priority (-1: high)
-            torch.cuda.set_stream(torch.cuda.Stream(device=dev, priority=int(priority)))
+        priority = job.get("stream_priority")
+        if priority is not None:  # an experiment knob: forward/backward/optimizer on a stream of this priority
+            torch.cuda.set_stream(torch.cuda.Stream(device=dev, priority=priority))
     d, dff, L, h = SIZES[job["model"]]
     cfg = ModelConfig(d_model=d, d_ff=dff, n_layers=L, n_heads=h, vocab_size=10_000, context_length=job["T"])
     if job["strategy"] == "single":
@@ -102,7 +101,7 @@ def _worker(job: dict) -> dict:
     def mem():
         return torch.cuda.max_memory_allocated(dev) / GiB if cuda else float("nan")
 
-    history_dir = os.environ.get("SCALELAB_BENCH_MEMORY_HISTORY") if cuda else None
+    history_dir = job.get("memory_history") if cuda else None
     if history_dir:  # every allocation from model set-up to the end of the first step (experiments/memory_peak.py)
         torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     with torch.device("meta"):
@@ -313,12 +312,17 @@ def main() -> None:
                     help="run the whole row list this many times, round-robin (A B A B ...), and report each "
                          "row's median over the repeats with its min-max: drift of the machine hits every row")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu"])
+    ap.add_argument("--stream-priority", type=int, default=None, metavar="N",
+                    help="run forward, backward and optimizer on a CUDA stream of this priority (-1: high)")
+    ap.add_argument("--memory-history", default=None, metavar="DIR",
+                    help="record every CUDA allocation up to the end of the first step; one snapshot per rank "
+                         "in DIR (read it with experiments/memory_peak.py)")
     ap.add_argument("--out", default=None, help="write the markdown here (default: outputs/bench/dp_bench/<time>.md)")
     a = ap.parse_args()
     if a.variant is None:  # the bf16-gradient rows (opt-in options of their strategies) belong to the full table
         a.variant = [parse_variant(v) for v in DEFAULT_VARIANTS] if a.device != "cpu" else []
     base = {"model": a.model, "B": a.batch, "T": a.seq, "steps": a.steps, "warmup": max(a.warmup, 1),
-            "device": a.device}
+            "device": a.device, "stream_priority": a.stream_priority, "memory_history": a.memory_history}
     common_env = dict(a.env)
     for s in a.strategies.split(","):
         if s and s not in STRATEGIES:

@@ -1,6 +1,6 @@
 """What is alive at the peak of a CUDA memory history (torch.cuda.memory._dump_snapshot pickles).
 
-    SCALELAB_BENCH_MEMORY_HISTORY=mem python3 experiments/dp_bench.py --strategies fsdp,torch_fsdp2 ...
+    python3 experiments/dp_bench.py --memory-history mem --strategies fsdp,torch_fsdp2 ...
     python3 experiments/memory_peak.py mem/fsdp_rank0.pickle mem/torch_fsdp2_rank0.pickle
 
 Replays each snapshot's allocation trace (+size on `alloc`, -size on `free_completed`, which is when the
