@@ -20,10 +20,6 @@ def set_nvtx_enabled(enabled: bool) -> None:
     _ENABLED = bool(enabled) and torch.cuda.is_available()
 
 
-def nvtx_enabled() -> bool:
-    return _ENABLED
-
-
 def nvtx_range(name: str) -> ContextManager:
     """A `torch.cuda.nvtx.range(name)` when profiling, else a no-op context."""
     if not _ENABLED or torch.compiler.is_compiling():

@@ -59,6 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from core.dtypes import parse_dtype  # noqa: E402
 from experiments.results import default_out, write_result  # noqa: E402
 
 
@@ -431,9 +432,8 @@ def main(argv=None) -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = True   # fp32 rows: every impl may use TF32
     torch.backends.cudnn.allow_tf32 = True
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     training = args.preset == "training"
-    dtypes = [dt[x] for x in (args.dtypes or ("bf16" if training else "bf16,fp32")).split(",")]
+    dtypes = [parse_dtype(x, "--dtypes") for x in (args.dtypes or ("bf16" if training else "bf16,fp32")).split(",")]
     impls = (args.impls or (",".join(TRAINING_IMPLS) if training else ",".join(ALL_IMPLS))).split(",")
     if training and args.rounds == 1:
         args.rounds = 3

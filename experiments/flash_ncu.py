@@ -19,7 +19,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from attention_bench import make_impl  # noqa: E402
+from attention_bench import make_impl  # noqa: E402  (it puts the repository root on sys.path)
+
+from core.dtypes import parse_dtype  # noqa: E402
 
 
 def main() -> None:
@@ -30,7 +32,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
     b, h, s, d = (int(x) for x in args.shape.split(","))
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = parse_dtype(args.dtype, "--dtype")
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn((b, h, s, d), device="cuda", dtype=dtype, generator=gen).requires_grad_()
                for _ in range(3))

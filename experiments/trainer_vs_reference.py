@@ -85,13 +85,19 @@ def main() -> None:
     if ours_proc.returncode != 0:
         sys.exit(f"train.py failed:\n{ours_proc.stdout[-2000:]}\n{ours_proc.stderr[-3000:]}")
     ours = json.loads((run_dir / "benchmark.json").read_text())
+    import torch
+
+    from core.hardware import DEVICES, key_for_name
+
     tokens = args.batch * args.seq
     flops = (6 * ref["params"] + 12 * ref["layers"] * ref["d"] * args.seq) * tokens
-    peak = 989e12
+    device = DEVICES.get(key_for_name(torch.cuda.get_device_name()) or "")
+    if device is None or device.peak_tflops is None:
+        sys.exit(f"no datasheet bf16 peak for {torch.cuda.get_device_name()} in core/hardware.py's DEVICES")
+    peak = device.peak_tflops["bf16"] * 1e12  # the datasheet figure MFU divides by, from the one hardware table
     independent_mfu = flops / (ours["median_ms"] / 1e3) / peak
     ratio = ours["median_ms"] / ref["do_bench_median_ms"]
     ratio_synced = ours["median_ms"] / ref["synced_median_ms"]
-    import torch
 
     lines = [
         f"device: {torch.cuda.get_device_name()} | torch {torch.__version__} | date {time.strftime('%Y-%m-%d')}",
