@@ -61,7 +61,10 @@ def test_port_in_use_is_a_config_error():
         port = s.getsockname()[1]
         with pytest.raises(ConfigError, match="launcher.port"):
             choose_port(OmegaConf.create({"launcher": {"port": port}}))
-    assert choose_port(OmegaConf.create({})) > 0
+        picked = choose_port(OmegaConf.create({}))  # not set: a port nobody holds, never the busy one
+        assert picked != port and 1024 <= picked < 65536
+        with socket.socket() as other:
+            other.bind(("127.0.0.1", picked))
 
 
 def test_sweep_points_run_in_their_own_processes(tmp_path):

@@ -1,6 +1,7 @@
 """The trainer end to end on the CPU: learning, exact resume, benchmark mode, loggers."""
 import glob
 import json
+import statistics
 import struct
 import zlib
 from pathlib import Path
@@ -66,7 +67,8 @@ def test_benchmark_mode_returns_timings(tmp_path):
     row = run_job(cfg)
     assert row["benchmark_mode"] == "forward_backward" and len(row["times_ms"]) == 3
     assert row["attention"] == "sdpa"
-    assert all(t > 0 for t in row["times_ms"]) and row["std_ms"] >= 0
+    assert all(t > 0 for t in row["times_ms"])
+    assert row["std_ms"] == pytest.approx(statistics.stdev(row["times_ms"]), rel=1e-9)  # the sample deviation
     assert abs(row["mean_ms"] - sum(row["times_ms"]) / 3) < 1e-6
     assert "| forward_backward |" in (tmp_path / "benchmark.md").read_text()
 
