@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -82,9 +82,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model))
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.normalize(x, self.weight)
+
+    def normalize(self, x: Tensor, weight: Tensor) -> Tensor:
         # at least float32 whatever the input (autocast leaves the residual stream fp32 anyway)
         acc = torch.promote_types(x.dtype, torch.float32)
-        return F.rms_norm(x.to(acc), (x.shape[-1],), self.weight.to(acc), self.eps).to(x.dtype)
+        return F.rms_norm(x.to(acc), (x.shape[-1],), weight.to(acc), self.eps).to(x.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -213,6 +216,41 @@ class TransformerLM(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 s = out_std if name.endswith(("output_proj", "ffn.w2")) else std
-                nn.init.trunc_normal_(module.weight, mean=0.0, std=s, a=-3 * s, b=3 * s, generator=gen)
+                _init_part(module, lambda t, s=s: nn.init.trunc_normal_(t, mean=0.0, std=s, a=-3 * s, b=3 * s,
+                                                                        generator=gen))
             elif isinstance(module, (RMSNorm, RotaryEmbedding)):
                 module.reset_parameters()
+
+
+def _init_part(module: nn.Module, init: Callable[[Tensor], object]) -> None:
+    """Initialise `module.weight` in place with `init`; a weight split over ranks (tensor parallelism) gets its
+    part of the full weight `init` draws, so every mesh shape starts from the weights one process would have."""
+    weight = module.weight
+    if not hasattr(module, "shard_of_full") and getattr(weight, "placements", None) is None:
+        init(weight)
+        return
+    local = weight.to_local() if hasattr(weight, "to_local") else weight
+    shape = getattr(module, "full_weight_shape", None) or tuple(weight.shape)  # a DTensor's shape is the full one
+    full = torch.empty(shape, dtype=local.dtype, device=local.device)
+    init(full)
+    local.copy_(part_of_full(module, full))
+
+
+def part_of_full(module: nn.Module, full: Tensor) -> Tensor:
+    """This rank's part of `full`, a tensor shaped like the whole of `module.weight`: our tensor parallelism's
+    modules say it (`shard_of_full`); a DTensor weight's part follows its placements (after the module's
+    `reorder_full`, where the plan stores the rows in another order than the model's)."""
+    if hasattr(module, "shard_of_full"):
+        return module.shard_of_full(full)
+    weight = module.weight
+    placements = getattr(weight, "placements", None)
+    if placements is None:
+        return full
+    reorder = getattr(module, "reorder_full", None)
+    if reorder is not None:
+        full = reorder(full)
+    coord = weight.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(placements):
+        if placement.is_shard():
+            full = full.chunk(weight.device_mesh.size(mesh_dim), dim=placement.dim)[coord[mesh_dim]]
+    return full

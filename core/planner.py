@@ -286,12 +286,38 @@ def head_activation_bytes(m, batch: int, seq: int, autocast: bool) -> int:
     return 8 * B * T + (8 * B * T * D + 4 * B * T) + a * B * T * D + 4 * B * T * m.vocab_size + 4
 
 
-def activation_bytes(m, batch: int, seq: int, autocast: bool, checkpointed_blocks: int = 0) -> int:
-    """Saved-activation bytes at the end of forward (checkpointed blocks keep only their fp32 input)."""
-    blk = block_activation_bytes(m, batch, seq, autocast)
+def tp_block_activation_bytes(m, batch: int, seq: int, autocast: bool, tp: int, sp: bool) -> int:
+    """One block's saved bytes on one tensor-parallel rank: what lives inside the attention and MLP regions
+    (q, k, v, the attention output, the SwiGLU hidden units, the row-parallel inputs) is split tp ways; the
+    region inputs the column-parallel Linears save are whole sequences (gathered); the norms hold T / tp tokens
+    with sequence parallelism, all T without."""
+    if tp == 1:
+        return block_activation_bytes(m, batch, seq, autocast)
+    B, T, D = batch, seq, m.d_model
+    a = 2 if autocast else 4
+    whole = block_activation_bytes(m, batch, seq, autocast)
+    norms = 2 * (8 * B * T * D + 4 * B * T)
+    region_inputs = 2 * a * B * T * D  # ln1 and ln2 outputs as the qkv and w1/w3 inputs
+    rope = 2 * T * m.head_dim * a
+    inside = whole - norms - region_inputs - rope
+    return int(inside // tp + region_inputs + rope + (norms // tp if sp else norms))
+
+
+def activation_bytes(m, batch: int, seq: int, autocast: bool, checkpointed_blocks: int = 0, tp: int = 1,
+                     sp: bool = False) -> int:
+    """Saved-activation bytes at the end of forward (checkpointed blocks keep only their fp32 input), per
+    tensor-parallel rank: the LM head's logits split over the vocabulary, checkpointed inputs over the sequence
+    with sequence parallelism."""
+    blk = tp_block_activation_bytes(m, batch, seq, autocast, tp, sp)
     n_ck = checkpointed_blocks
-    ck = n_ck * 4 * batch * seq * m.d_model + (8 * seq if n_ck else 0)  # fp32 inputs + the shared positions
-    return (m.n_layers - n_ck) * blk + ck + head_activation_bytes(m, batch, seq, autocast)
+    seq_part = tp if sp else 1
+    ck = n_ck * 4 * batch * seq * m.d_model // seq_part + (8 * seq if n_ck else 0)  # fp32 inputs + positions
+    head = head_activation_bytes(m, batch, seq, autocast)
+    if tp > 1:
+        logits = 4 * batch * seq * m.vocab_size
+        final_norm = 8 * batch * seq * m.d_model + 4 * batch * seq
+        head += logits // tp - logits + (final_norm // seq_part - final_norm)
+    return (m.n_layers - n_ck) * blk + ck + head
 
 
 def checkpointed_count(n_layers: int, every: int) -> int:
@@ -355,6 +381,11 @@ class Job:
     compute_dtype: str         # the dtype matmuls run in: bf16 | fp16 | tf32 | fp32
     checkpointed_blocks: int
     compiled: bool
+    tensor_parallel: Any = None  # core.distributed.tensor_parallel.TensorParallel: how mesh.tp splits the model
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.mesh.tp > 1 and bool(getattr(self.tensor_parallel, "sequence_parallel", False))
 
     @property
     def autocast(self) -> bool:
@@ -384,11 +415,13 @@ def read_job(cfg: DictConfig) -> Job:
     prec = str(OmegaConf.select(cfg, "precision.dtype", default="fp32"))
     tf32 = bool(OmegaConf.select(cfg, "precision.tf32", default=True))
     every = int(OmegaConf.select(cfg, "activation_checkpointing", default=0) or 0)
-    return Job(model=m, mesh=mesh, strategy=_strategy(cfg), layout=model_layout(m), global_batch=gbs,
+    tensor_parallel = instantiate(cfg.tensor_parallel) if "tensor_parallel" in cfg else None
+    return Job(model=m, mesh=mesh, strategy=_strategy(cfg), layout=model_layout(m).split_over_tp(mesh.tp),
+               global_batch=gbs,
                micro_batch=gbs // (dp * accum), seq_len=seq, grad_accum=accum, precision=prec,
                compute_dtype=prec if prec in ("bf16", "fp16") else ("tf32" if tf32 else "fp32"),
                checkpointed_blocks=checkpointed_count(m.n_layers, every),
-               compiled=bool(OmegaConf.select(cfg, "compile", default=False)))
+               compiled=bool(OmegaConf.select(cfg, "compile", default=False)), tensor_parallel=tensor_parallel)
 
 
 def _per_rank(n: int, ways: int) -> int:
@@ -413,10 +446,11 @@ def predict_memory(job: Job, prof: StrategyProfile, cfg: DictConfig) -> MemoryPr
     opt_local = _per_rank(N, prof.shard_degree(job.mesh, "optimizer"))
     opt_b = st_bytes * opt_local
     every = int(OmegaConf.select(cfg, "activation_checkpointing", default=0) or 0)
-    act_full = activation_bytes(m, mb, seq, job.autocast, 0)
-    act_ck = activation_bytes(m, mb, seq, job.autocast, checkpointed_count(m.n_layers, every or 1))
-    act = activation_bytes(m, mb, seq, job.autocast, job.checkpointed_blocks)
-    BTV = mb * seq * m.vocab_size
+    tp, sp = job.mesh.tp, job.sequence_parallel
+    act_full = activation_bytes(m, mb, seq, job.autocast, 0, tp, sp)
+    act_ck = activation_bytes(m, mb, seq, job.autocast, checkpointed_count(m.n_layers, every or 1), tp, sp)
+    act = activation_bytes(m, mb, seq, job.autocast, job.checkpointed_blocks, tp, sp)
+    BTV = mb * seq * m.vocab_size // tp  # vocabulary-parallel logits
     loss_transient = (2 if job.autocast else 0) * BTV + 4 * BTV  # logits (compute dtype) + their fp32 copy
     # autocast's low-precision weight copies: the cache holds every cast weight until autocast exits
     # (end of forward); autograd keeps those of non-checkpointed blocks (and lm_head) until their backward.
@@ -444,9 +478,10 @@ def predict_memory(job: Job, prof: StrategyProfile, cfg: DictConfig) -> MemoryPr
 
 
 def predict_communication(job: Job, prof: StrategyProfile, spec: Optional[DeviceSpec]) -> list[Collective]:
-    """The strategy's collectives per step, each timed on a ring when the device's bandwidths are known."""
+    """The strategy's and the tensor parallelism's collectives per step, each timed on a ring when the device's
+    bandwidths are known."""
     colls = []
-    for c in prof.collectives:
+    for c in list(prof.collectives) + tensor_parallel_collectives(job):
         ranks = axes_degree(job.mesh, c.axes)
         coll = Collective(c.name, c.what, c.bytes_per_step, c.calls, ranks, overlappable=c.overlappable)
         if spec is not None and spec.has_ceilings:
@@ -456,6 +491,14 @@ def predict_communication(job: Job, prof: StrategyProfile, spec: Optional[Device
                               spec.collective_latency_us) * c.calls
         colls.append(coll)
     return colls
+
+
+def tensor_parallel_collectives(job: Job) -> list:
+    """The tp axis's collectives of one optimizer step (the plugin describes them)."""
+    if job.mesh.tp == 1 or job.tensor_parallel is None:
+        return []
+    return job.tensor_parallel.collectives(job.mesh, job.model, job.micro_batch, job.seq_len,
+                                           2 if job.autocast else 4, job.grad_accum, job.checkpointed_blocks)
 
 
 def predict_time(job: Job, prof: StrategyProfile, colls: list[Collective], spec: DeviceSpec,
@@ -472,8 +515,9 @@ def predict_time(job: Job, prof: StrategyProfile, colls: list[Collective], spec:
     bw = spec.hbm_gbps * 1e9
     lin_fl = fl["linear_forward"] * 3
     attn_fl = fl["attention_forward"] * 3 * 0.5  # causal kernels skip the masked half
-    matmul_ms = (lin_fl + n_ck * blk_fwd) / peak * 1e3 * accum
-    attn_ms = attn_fl / (peak * spec.attention_efficiency) * 1e3 * accum
+    tp = job.mesh.tp  # each tensor-parallel rank runs 1/tp of every matmul
+    matmul_ms = (lin_fl + n_ck * blk_fwd) / peak * 1e3 * accum / tp
+    attn_ms = attn_fl / (peak * spec.attention_efficiency) * 1e3 * accum / tp
     # elementwise traffic per block (bytes per BTD / BTF element, forward; backward ~2x):
     # norms 56, linear-input casts 18 (autocast), RoPE 32, residual adds 20, transposes 4; SwiGLU 10/BTF
     btd, btf = mb * seq * m.d_model, mb * seq * m.d_ff
@@ -487,6 +531,8 @@ def predict_time(job: Job, prof: StrategyProfile, colls: list[Collective], spec:
         wcast = 6 * n_lin * 2 if prof.autocast_weight_copies else 6 * _per_rank(n_lin, dp) + 6 * n_lin
     if job.compiled:
         elem_bytes *= 0.4
+    if tp > 1:  # the regions' elementwise work splits tp ways; the norms' and residuals' only with SP (~half)
+        elem_bytes *= 1 / tp if job.sequence_parallel else 0.5 + 0.5 / tp
     elem_ms = (elem_bytes + wcast) / bw * 1e3 * accum
     opt_ms = (opt_traffic * _per_rank(N, prof.shard_degree(job.mesh, "optimizer"))
               + 12 * _per_rank(N, prof.shard_degree(job.mesh, "grads"))) / bw * 1e3  # step + clip (norm, scale)

@@ -20,12 +20,13 @@ from omegaconf import DictConfig, OmegaConf
 from core.errors import ConfigError
 
 # config groups compared as a whole (every key inside, flattened to dotted names)
-_GROUPS = ("model", "data", "optimizer", "precision", "attention_impl", "parallelism")
+_GROUPS = ("model", "data", "optimizer", "precision", "attention_impl", "parallelism", "tensor_parallel")
 _TRAIN_KEYS = ("batch_size", "grad_accum_steps", "max_steps")
 _MESH_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 # the saved tensors' shapes and layout depend on these: no override can make such a checkpoint load
 FIXED = ("model.d_model", "model.d_ff", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.vocab_size",
-         "optimizer.factory._target_", "parallelism._target_", "world_size") + tuple(f"mesh.{k}" for k in _MESH_KEYS)
+         "optimizer.factory._target_", "parallelism._target_", "tensor_parallel._target_",
+         "tensor_parallel.sequence_parallel", "world_size") + tuple(f"mesh.{k}" for k in _MESH_KEYS)
 
 
 def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:

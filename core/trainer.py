@@ -2,8 +2,9 @@
 
 `train(cfg)` builds every plugin from the composed config (`hydra.utils.instantiate`
 on each group's `_target_`), then trains, benchmarks or profiles. The order of
-assembly is the documentation: model on the meta device -> activation checkpointing
--> compile -> strategy (materialise, shard or wrap) -> optimizer -> resume.
+assembly is the documentation: model on the meta device -> the parallelize step (core/parallelize.py: tensor
+parallelism -> activation checkpointing -> compile -> strategy, which materialises this rank's shards) ->
+optimizer -> resume.
 """
 from __future__ import annotations
 
@@ -21,21 +22,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from core import activation_checkpointing, stop
+from core import stop
 from core.checkpoint import Checkpointer
 from core.data import TokenSource
 from core.distributed.mesh import ParallelMesh
 from core.distributed.strategy import Strategy
+from core.distributed.tensor_parallel import TensorParallel
 from core.errors import require
 from core.loggers import JsonlLogger, Logger, LoggerGroup
 from core.metrics import (FlopCounter, memory_stats, model_flops_per_token, peak_flops, peak_memory_gib,
                           recompute_flops_per_token, reset_peak_memory)
 from core.model import ModelConfig, TransformerLM
 from core.optim import WarmupCosine, optimizer_factory, param_groups
+from core.parallelize import parallelize
 from core.precision import Precision
 from core.summary import write_summary
 from core.nvtx import nvtx_range
@@ -59,6 +61,7 @@ class Run:
     run_dir: Path
     local_batch: int                # sequences per rank per micro-step
     attention: str                  # the attention implementation's name (flash_triton, sdpa[cudnn], ...)
+    tensor_parallel: TensorParallel  # the model's loss goes through it (vocabulary-parallel under tp > 1)
     memory_marks: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -76,9 +79,15 @@ class Run:
                                rows=slice(start, start + self.local_batch))
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of one micro-batch, forward only (for a backward, call it inside the
+        tensor-parallel loss context, as `forward_backward` does)."""
+        with self.tensor_parallel.loss_context():
+            return self._loss(x, y)
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self.precision.autocast():
             logits = self.model(x)
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        return self.tensor_parallel.loss(logits, y)
 
     def forward_backward(self, step: int) -> torch.Tensor:
         """All micro-steps of one optimizer step: returns this rank's mean loss (detached)."""
@@ -86,13 +95,14 @@ class Run:
         total = torch.zeros((), device=self.device)
         for micro in range(accum):
             x, y = self.micro_batch("train", step, micro)
-            with self.strategy.gradient_sync(micro == accum - 1):
+            with self.strategy.gradient_sync(micro == accum - 1), self.tensor_parallel.loss_context():
                 with nvtx_range("forward"):
-                    loss = self.loss(x, y) / accum
+                    loss = self._loss(x, y) / accum
                 with nvtx_range("backward"):
                     self.precision.backward(loss)
             total += loss.detach()
         self.strategy.finish_gradient_synchronization()
+        self.tensor_parallel.finish_gradients(self.raw_model)
         return total
 
     def optimizer_step(self, step: int, measure_norm: bool) -> tuple[float | None, bool]:
@@ -213,14 +223,14 @@ def build(cfg: DictConfig, mesh: ParallelMesh | None = None) -> Run:
     data.check_vocab(model_cfg.vocab_size)
 
     attention = instantiate(cfg.attention_impl)
+    tensor_parallel: TensorParallel = instantiate(cfg.tensor_parallel)
+    tensor_parallel.validate(mesh, model_cfg, data.seq_len, strategy.name)
     with torch.device("meta"):
         model = TransformerLM(model_cfg, attention)
-    n_ckpt = activation_checkpointing.apply(model, cfg.activation_checkpointing)
-    if cfg.compile:
-        model.compile()  # in place: parameter names (and checkpoints) stay those of the eager model
-    seed = int(cfg.seed)
     reset_peak_memory(mesh.device_obj)
-    wrapped = strategy.setup(model, mesh, lambda m: m.init_weights(seed=seed))
+    parallel = parallelize(model, mesh, tensor_parallel, strategy, cfg.activation_checkpointing, bool(cfg.compile),
+                           int(cfg.seed))
+    wrapped, n_ckpt = parallel.module, parallel.checkpointed_blocks
     marks = {"after_model_init_gib": peak_memory_gib(mesh.device_obj)}
 
     groups = param_groups(model, cfg.optimizer.weight_decay)
@@ -234,7 +244,7 @@ def build(cfg: DictConfig, mesh: ParallelMesh | None = None) -> Run:
     tokens = cfg.train.batch_size * data.seq_len
     flops = FlopCounter(per_token * tokens, (per_token + recompute) * tokens, peak, source, mesh.world_size)
     return Run(cfg, mesh, strategy, precision, model_cfg, wrapped, model, optimizer, schedule, data, flops,
-               run_dir, local_batch, attention.name, marks)
+               run_dir, local_batch, attention.name, tensor_parallel, marks)
 
 
 def _build_loggers(cfg: DictConfig, is_main: bool) -> Logger:
@@ -244,11 +254,6 @@ def _build_loggers(cfg: DictConfig, is_main: bool) -> Logger:
     if not any(isinstance(lg, JsonlLogger) for lg in extra):
         extra.insert(0, JsonlLogger())
     return LoggerGroup(extra)
-
-
-def _sweep_info(cfg: DictConfig) -> dict[str, Any]:
-    info = OmegaConf.select(cfg, "_sweep", default=None)
-    return OmegaConf.to_container(info) if info is not None else {}
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -355,6 +360,11 @@ def _stop_reason(run: Run, step: int, is_log: bool) -> tuple[str | None, signal.
 
 
 def _save(run: Run, ckpt: Checkpointer, step: int) -> None:
+    if not run.tensor_parallel.can_checkpoint(run.strategy.name):  # refused up front unless a signal asks
+        if run.mesh.is_main:
+            print(f"not saving step {step}: {run.tensor_parallel.describe()} tensor parallelism under "
+                  f"parallelism={run.strategy.name} has no checkpoint format yet", flush=True)
+        return
     ckpt.save(step, run.strategy, run.raw_model, run.optimizer, {"precision": run.precision.state_dict()})
 
 

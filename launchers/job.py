@@ -105,7 +105,8 @@ def check_complete(cfg: DictConfig) -> None:
 
 
 def validate(cfg: DictConfig, check_devices: bool = True) -> ParallelMesh:
-    """Every check that needs no process group: values given, model, mesh vs devices, strategy vs mesh, batch split."""
+    """Every check that needs no process group: values given, model, mesh vs devices, strategy vs mesh, batch split,
+    tensor parallelism vs model and strategy."""
     from core.trainer import validate_batch
 
     check_complete(cfg)
@@ -119,6 +120,10 @@ def validate(cfg: DictConfig, check_devices: bool = True) -> ParallelMesh:
         raise ConfigError("activation_checkpointing", f"parallelism={strategy.name} cannot recompute activations yet",
                           "set activation_checkpointing=0 or use parallelism=torch_fsdp2")
     validate_batch(cfg, mesh.dp_size)
+    tensor_parallel = instantiate(cfg.tensor_parallel)
+    tensor_parallel.validate(mesh, instantiate(cfg.model), int(cfg.data.seq_len), strategy.name)
+    wants_checkpoints = bool(cfg.checkpoint.every or cfg.checkpoint.at_end or cfg.resume)
+    tensor_parallel.validate_checkpointing(mesh, strategy.name, wants_checkpoints)
     return mesh
 
 

@@ -1,4 +1,5 @@
-"""Mesh axes that no strategy implements yet are refused with one line, by the mesh and by train.py."""
+"""Mesh axes: those no strategy implements yet are refused with one line, by the mesh and by train.py; the
+implemented ones are accepted and named as their presets."""
 from __future__ import annotations
 
 import subprocess
@@ -13,7 +14,7 @@ from core.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("axis", ["pp", "cp", "tp", "ep"])
+@pytest.mark.parametrize("axis", ["pp", "cp", "ep"])
 def test_unimplemented_axes_are_refused(axis):
     with pytest.raises(ConfigError) as e:
         ParallelMesh(dp_shard=2, **{axis: 2})
@@ -25,6 +26,15 @@ def test_data_parallel_axes_are_accepted_and_named_as_presets():
     assert ParallelMesh(dp_shard=2).describe() == "dp2" and ParallelMesh().describe() == "dp1"
     hsdp = ParallelMesh(dp_replicate=2, dp_shard=2)
     assert hsdp.world_size == hsdp.dp_size == 4 and hsdp.describe() == "dp_replicate2xdp_shard2"
+
+
+def test_tensor_parallel_axis_is_accepted_and_named_as_presets():
+    """tp multiplies the world but not the data-parallel ranks; the name is the preset's (conf/mesh/dp2_tp2.yaml)."""
+    m = ParallelMesh(dp_shard=2, tp=2)
+    assert (m.world_size, m.dp_size, m.describe()) == (4, 2, "dp2_tp2")
+    assert ParallelMesh(tp=2).describe() == "dp1_tp2"
+    for preset in ("dp1_tp2", "dp2_tp2"):
+        assert (ROOT / "conf" / "mesh" / f"{preset}.yaml").is_file()
 
 
 def test_train_py_refuses_expert_parallelism_in_one_line(tmp_path):

@@ -53,6 +53,8 @@ def broadcast_module(module: torch.nn.Module, pg: Optional[dist.ProcessGroup],
     if group_size(pg) == 1:
         return
     tensors = list({id(t): t for t in list(module.parameters()) + list(module.buffers())}.values())
+    # a DTensor (tensor parallelism) is broadcast as its local part: the ranks of `pg` hold the same part
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
     src = global_rank(pg, 0)
 
     def flush(ts: list[torch.Tensor]) -> None:

@@ -1,9 +1,9 @@
 """The named device mesh every run has, single-process runs included.
 
 Axes follow torchtitan: pp, dp_replicate, dp_shard, cp, tp, ep (degree 1 where unused).
-World size is pp * dp_replicate * dp_shard * cp * tp. Only the data-parallel axes
-(dp_replicate, dp_shard) are implemented: a degree above 1 on any other axis is refused here,
-before anything runs, rather than trained silently as plain data parallelism.
+World size is pp * dp_replicate * dp_shard * cp * tp. The data-parallel axes (dp_replicate, dp_shard) and tensor
+parallelism (tp, `core.distributed.tensor_parallel`) are implemented: a degree above 1 on any other axis is refused
+here, before anything runs, rather than trained silently as plain data parallelism.
 One object knows the degrees and hands out sub-meshes and groups; nothing else
 recomputes them.
 """
@@ -24,7 +24,7 @@ from core.distributed.heartbeat import Heartbeat, RankStalledError
 from core.errors import ConfigError, require
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
-NOT_IMPLEMENTED_AXES = ("pp", "cp", "tp", "ep")  # no strategy shards over these yet
+NOT_IMPLEMENTED_AXES = ("pp", "cp", "ep")  # no strategy shards over these yet
 _RANK_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
@@ -118,7 +118,7 @@ class ParallelMesh:
         for axis in NOT_IMPLEMENTED_AXES:
             n = getattr(self, axis)
             require(n == 1, f"mesh.{axis}", f"{axis}={n}: this parallel axis is not implemented yet",
-                    f"set mesh.{axis}=1 and use mesh.dp_shard / mesh.dp_replicate for data parallelism")
+                    f"set mesh.{axis}=1 and use mesh.dp_shard / mesh.dp_replicate (data) or mesh.tp (tensor parallelism)")
         self._device_mesh = None
         self._flat: dict = {}
         self._rank = 0
@@ -138,15 +138,10 @@ class ParallelMesh:
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
 
-    @property
-    def degrees(self) -> dict[str, int]:
-        return {axis: getattr(self, axis) for axis in AXES}
-
     def describe(self) -> str:
         """The mesh as its preset is named (dp1, dp2, ...; conf/mesh/), or its degrees where no preset matches."""
-        if self.dp_replicate == 1:
-            return f"dp{self.dp_shard}"
-        return f"dp_replicate{self.dp_replicate}xdp_shard{self.dp_shard}"
+        name = f"dp{self.dp_shard}" if self.dp_replicate == 1 else f"dp_replicate{self.dp_replicate}xdp_shard{self.dp_shard}"
+        return name + (f"_tp{self.tp}" if self.tp > 1 else "")
 
     # ---- devices -------------------------------------------------------------
     def device_type(self) -> str:
@@ -237,10 +232,6 @@ class ParallelMesh:
     @property
     def rank(self) -> int:
         return self._rank
-
-    @property
-    def local_rank(self) -> int:
-        return self._local_rank
 
     @property
     def is_main(self) -> bool:

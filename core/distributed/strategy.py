@@ -24,9 +24,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from core.distributed.mesh import ParallelMesh
+from core.distributed.tensor_parallel import tp_sharded_parameters
 from core.errors import require
 
 OptimizerFactory = Callable[[Iterable[dict[str, Any]]], torch.optim.Optimizer]
@@ -52,6 +54,20 @@ class ModelLayout:
     @property
     def linear_weights(self) -> tuple[int, ...]:
         return tuple(n for n, linear in zip(self.tensors, self.is_linear) if linear)
+
+    def split_over_tp(self, tp: int) -> "ModelLayout":
+        """One tensor-parallel rank's layout: every Linear weight and the embedding split tp ways (heads, hidden
+        units, vocabulary), the norms whole."""
+        if tp == 1:
+            return self
+        tensors = tuple(n // tp if linear or (i == 0 and n == self.embedding) else n
+                        for i, (n, linear) in enumerate(zip(self.tensors, self.is_linear)))
+        norms = 0
+        if self.n_blocks:  # a block's non-Linear parameters (its norms): all but its share of the Linears
+            block_linear = (sum(self.linear_weights) - self.tensors[-1]) // self.n_blocks  # less the LM head
+            norms = self.block_params - block_linear
+        block = (self.block_params - norms) // tp + norms
+        return ModelLayout(tensors, self.is_linear, self.n_blocks, block, self.embedding // tp)
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelLayout":
@@ -134,16 +150,16 @@ class Strategy:
     name: str = "none"
     data_parallel: bool = False  # replicas synchronised over the mesh's dp axes (else one rank only)
     checkpoint_format: Literal["full", "dcp"] = "full"  # full: rank 0 torch.save; dcp: torch.distributed.checkpoint
-    requires_world_size_above_one: bool = False
     supports_activation_checkpointing: bool = True
 
     def validate(self, mesh: ParallelMesh) -> None:
         """Raise `ConfigError` if this strategy cannot run on `mesh` (called before any process starts)."""
         if self.data_parallel:
-            return  # every mesh `ParallelMesh` accepts is data-parallel (other axes are refused there)
-        require(mesh.world_size == 1, "parallelism",
+            return
+        require(mesh.dp_size == 1, "parallelism",
                 f"parallelism={self.name} keeps independent replicas, but mesh {mesh.describe()} has "
-                f"{mesh.world_size} ranks", "choose a data-parallel strategy (e.g. parallelism=ddp_bucketed) or mesh=single")
+                f"{mesh.dp_size} data-parallel ranks",
+                "choose a data-parallel strategy (e.g. parallelism=ddp_bucketed) or mesh.dp_shard=1")
 
     def profile(self, mesh: ParallelMesh, layout: ModelLayout, grad_accum: int) -> StrategyProfile:
         """What this strategy holds and sends per rank on `mesh` (no process group needed)."""
@@ -170,7 +186,11 @@ class Strategy:
         params = [p for p in model.parameters() if p.grad is not None]
         if not params:
             return torch.zeros(())
-        return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
+        if self.mesh.tp == 1:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
+        sharded = tp_sharded_parameters(model)
+        return clip_grads_([p.grad for p in params], [id(p) in sharded for p in params], max_norm,
+                           self.mesh.group("tp"), None, self.mesh.tp)
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Model and optimizer state to checkpoint (see `checkpoint_format`)."""
@@ -205,6 +225,31 @@ class Strategy:
     def memory_breakdown(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer state."""
         return memory_breakdown(model.parameters(), optimizer)
+
+
+def clip_grads_(grads: list[torch.Tensor], tp_sharded: list[bool], max_norm: float, tp_group, dp_group,
+                tp: int) -> torch.Tensor:
+    """Clip `grads` in place to a global norm of `max_norm` (<= 0 or inf: only measure); return the norm.
+
+    `grads` are this rank's parts: a tp-sharded gradient is one of tp disjoint parts of its weight, any other is
+    the same on every tp rank, so it counts 1/tp on each before the squares are summed over the tp group.
+    With `dp_group`, the gradients are also disjoint parts over the data-parallel ranks (ZeRO / FSDP shards)."""
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    device = local[0].device if local else torch.device("cpu")
+    sq = torch.zeros((), device=device, dtype=torch.float32)
+    for g, sharded in zip(local, tp_sharded):
+        part = g.detach().float().pow(2).sum()
+        sq += part if sharded else part / tp
+    if tp > 1:
+        dist.all_reduce(sq, group=tp_group)
+    if dp_group is not None:
+        dist.all_reduce(sq, group=dp_group)
+    norm = sq.sqrt()
+    if max_norm > 0 and math.isfinite(max_norm):
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in local:
+            g.mul_(coef.to(g.dtype))
+    return norm
 
 
 def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -41,7 +41,8 @@ from core.distributed.comm import (CommTimer, all_gather_flat, group_rank, group
 from core.distributed.ddp import BucketedDDP, DataParallel, _compute_dtype, bucketed_all_reduce_profile, unwrap
 from core.distributed.mesh import ParallelMesh
 from core.distributed.strategy import (DP_AXES, CollectiveSpec, ModelLayout, Strategy, StrategyProfile, axes_degree,
-                                       materialize)
+                                       clip_grads_, materialize)
+from core.distributed.tensor_parallel import tp_sharded_parameters
 from core.errors import require
 
 
@@ -424,18 +425,11 @@ class Zero1Strategy(Strategy):
         if self.grad_reduction == "all_reduce":
             return super().clip_grad_norm_(model, max_norm)
         # reduce_scatter: each rank holds only its own parameters' gradients
-        grads = [p.grad for p in self.optimizer.owned_params() if p.grad is not None]
-        sq = torch.zeros((), device=self.mesh.device_obj, dtype=torch.float32)
-        for g in grads:
-            sq += g.detach().float().pow(2).sum()
-        if self.optimizer.world > 1:
-            dist.all_reduce(sq, group=self.optimizer.process_group)
-        norm = sq.sqrt()
-        if max_norm > 0 and math.isfinite(max_norm):
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(coef.to(g.dtype))
-        return norm
+        owned = [p for p in self.optimizer.owned_params() if p.grad is not None]
+        dp_group = self.optimizer.process_group if self.optimizer.world > 1 else None
+        sharded = tp_sharded_parameters(unwrap(model))
+        return clip_grads_([p.grad for p in owned], [id(p) in sharded for p in owned], max_norm,
+                           self.mesh.group("tp"), dp_group, self.mesh.tp)
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         self.wait_for_parameters()

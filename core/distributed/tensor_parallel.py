@@ -1,0 +1,391 @@
+"""Tensor and sequence parallelism over the mesh's tp axis: the `tensor_parallel` plugins.
+
+`MegatronTensorParallel` is ours (Megatron-LM's scheme, written here); `core.distributed.tensor_parallel_dtensor`
+holds PyTorch's DTensor `parallelize_module` version as its baseline. Both shard the model in place while it is
+still on the meta device, so that only this rank's shards are ever allocated (`TransformerLM.init_weights` draws
+each full weight from the run's seed and keeps the rank's slice: every mesh shape starts from the same weights).
+
+Each block runs two tensor-parallel regions, attention and the SwiGLU feed-forward:
+
+    enter (f)  ->  column-parallel Linear(s)  ->  local heads / hidden units  ->  row-parallel Linear  ->  exit (g)
+
+Without sequence parallelism, f is the identity forward / all-reduce backward and g its conjugate (all-reduce
+forward / identity backward): 2 all-reduces of (B, T, D) per block forward and 2 backward. With sequence
+parallelism (on by default) the residual stream and the norms between regions hold T / tp tokens per rank: f
+all-gathers the sequence (reduce-scatters in backward) and g reduce-scatters (all-gathers in backward). Same bytes
+on the wire, activations outside the regions divided by tp; the norm weights see only their rank's tokens, so
+their gradients are summed over tp.
+
+The embedding and the LM head are split over the vocabulary; the loss (`vocab_parallel_cross_entropy`) combines
+the vocabulary shards with three all-reduces of (B, T) numbers and never gathers the logits.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from core.distributed.comm import all_gather_flat, reduce_scatter_flat
+from core.distributed.mesh import ParallelMesh
+from core.errors import ConfigError, require
+from core.model import RMSNorm
+
+_SEQ = 1  # activations are (B, T, D): the sequence dimension
+
+
+# ---- the communication of the regions, as autograd Functions ---------------------------------------------
+def _all_reduce(x: Tensor, group) -> Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather_seq(x: Tensor, group, world: int) -> Tensor:
+    # all_gather_into_tensor concatenates along dim 0: gather (T/tp, B, D) blocks, then move T back
+    local = x.transpose(0, _SEQ).contiguous()
+    out = local.new_empty((local.shape[0] * world, *local.shape[1:]))
+    all_gather_flat(out, local, group=group)
+    return out.transpose(0, _SEQ)
+
+
+def _reduce_scatter_seq(x: Tensor, group, world: int) -> Tensor:
+    full = x.transpose(0, _SEQ).contiguous()
+    out = full.new_empty((full.shape[0] // world, *full.shape[1:]))
+    reduce_scatter_flat(out, full, group=group)
+    return out.transpose(0, _SEQ)
+
+
+class CopyToRegion(torch.autograd.Function):
+    """f without sequence parallelism: identity forward, all-reduce of the input gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_reduce(grad, ctx.group), None
+
+
+class ReduceFromRegion(torch.autograd.Function):
+    """g without sequence parallelism: all-reduce forward (sums the row-parallel partial outputs), identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+class GatherSequence(torch.autograd.Function):
+    """f with sequence parallelism: all-gather the sequence forward, reduce-scatter it backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group, world: int) -> Tensor:
+        ctx.group, ctx.world = group, world
+        return _all_gather_seq(x, group, world)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _reduce_scatter_seq(grad, ctx.group, ctx.world), None, None
+
+
+class ReduceScatterSequence(torch.autograd.Function):
+    """g with sequence parallelism: reduce-scatter the sequence forward, all-gather it backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group, world: int) -> Tensor:
+        ctx.group, ctx.world = group, world
+        return _reduce_scatter_seq(x, group, world)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_gather_seq(grad, ctx.group, ctx.world), None, None
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of logits split over the vocabulary across `group`; the full rows are never gathered.
+
+    Per row: the global max and the sum of exponentials are all-reduced (max, then sum), and the target's logit
+    comes from the rank whose shard holds it (an all-reduce of mostly zeros). Backward is local: softmax minus
+    the one-hot target, on this rank's columns."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, target: Tensor, vocab_start: int, group) -> Tensor:
+        logits = logits.float()
+        row_max = logits.max(dim=-1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - row_max.unsqueeze(-1)
+        local_v = logits.shape[-1]
+        in_shard = (target >= vocab_start) & (target < vocab_start + local_v)
+        local_target = (target - vocab_start).clamp(0, local_v - 1)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * in_shard
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        stats = torch.stack((sum_exp, target_logit))
+        dist.all_reduce(stats, group=group)
+        sum_exp, target_logit = stats[0], stats[1]
+        loss = sum_exp.log() - target_logit
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax on this rank's columns, kept for backward
+        ctx.save_for_backward(exp, local_target, in_shard)
+        return loss.mean()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        softmax, local_target, in_shard = ctx.saved_tensors
+        grad_logits = softmax
+        grad_logits.scatter_add_(-1, local_target.unsqueeze(-1), -in_shard.unsqueeze(-1).to(softmax.dtype))
+        grad_logits.mul_(grad / local_target.numel())
+        return grad_logits, None, None, None
+
+
+# ---- the sharded modules --------------------------------------------------------------------------------
+def _rank_slices(segments: Sequence[int], rank: int, world: int) -> list[slice]:
+    """Rank `rank`'s slice of each of `segments` (consecutive row blocks of one fused weight)."""
+    out, start = [], 0
+    for n in segments:
+        part = n // world
+        out.append(slice(start + rank * part, start + (rank + 1) * part))
+        start += n
+    return out
+
+
+class ColumnParallelLinear(nn.Linear):
+    """A Linear whose output features are split over tp (no bias); its input is the whole region input.
+
+    `segments` are the row blocks of a fused weight that are split separately (q, k and v of the fused
+    projection: each rank gets whole heads of each); the local weight is the rank's rows of every segment."""
+
+    def __init__(self, linear: nn.Linear, rank: int, world: int, segments: Sequence[int] | None = None) -> None:
+        require(linear.bias is None, "tensor_parallel", "biased Linear layers are not split", "use bias-free layers")
+        segments = tuple(segments or (linear.out_features,))
+        super().__init__(linear.in_features, linear.out_features // world, bias=False,
+                         device=linear.weight.device, dtype=linear.weight.dtype)
+        self.full_weight_shape = (linear.out_features, linear.in_features)
+        self._slices = _rank_slices(segments, rank, world)
+
+    def shard_of_full(self, full: Tensor) -> Tensor:
+        """This rank's rows of a full weight."""
+        return torch.cat([full[s] for s in self._slices], dim=0)
+
+
+class RowParallelLinear(nn.Linear):
+    """A Linear whose input features are split over tp (no bias); its output is a partial sum until g."""
+
+    def __init__(self, linear: nn.Linear, rank: int, world: int) -> None:
+        require(linear.bias is None, "tensor_parallel", "biased Linear layers are not split", "use bias-free layers")
+        super().__init__(linear.in_features // world, linear.out_features, bias=False,
+                         device=linear.weight.device, dtype=linear.weight.dtype)
+        self.full_weight_shape = (linear.out_features, linear.in_features)
+        self._columns = slice(rank * self.in_features, (rank + 1) * self.in_features)
+
+    def shard_of_full(self, full: Tensor) -> Tensor:
+        """This rank's columns of a full weight."""
+        return full[:, self._columns]
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The token embedding split over the vocabulary: each rank looks up the tokens its rows hold, zeros the
+    rest, and `g` sums the ranks' outputs (all-reduce, or reduce-scatter into sequence shards)."""
+
+    def __init__(self, embedding: nn.Embedding, rank: int, world: int, exit_region: Callable[[Tensor], Tensor]) -> None:
+        part = embedding.num_embeddings // world
+        super().__init__(part, embedding.embedding_dim, device=embedding.weight.device, dtype=embedding.weight.dtype)
+        self.vocab_start = rank * part
+        self.exit_region = exit_region
+        self.full_weight_shape = tuple(embedding.weight.shape)
+
+    def shard_of_full(self, full: Tensor) -> Tensor:
+        """This rank's rows (vocabulary entries) of a full weight."""
+        return full[self.vocab_start:self.vocab_start + self.num_embeddings]
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.exit_region(out.masked_fill(outside.unsqueeze(-1), 0.0))
+
+
+class SequenceParallelRMSNorm(RMSNorm):
+    """RMSNorm over this rank's T / tp tokens: its weight enters through `CopyToRegion`, so the weight's gradient
+    is summed over tp in backward (each rank's tokens contribute their part)."""
+
+    def __init__(self, norm: RMSNorm, group) -> None:
+        super().__init__(norm.weight.shape[0], norm.eps)
+        self.weight = norm.weight
+        self.group = group
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.normalize(x, CopyToRegion.apply(self.weight, self.group))
+
+
+def tp_sharded_parameters(model: nn.Module) -> set[int]:
+    """ids of the parameters of `model` that are one rank's part of a weight split over tp: those of our split
+    modules (they carry `shard_of_full`) and DTensors with a Shard placement."""
+    out = {id(m.weight) for m in model.modules() if hasattr(m, "shard_of_full")}
+    for p in model.parameters():
+        placements = getattr(p, "placements", None)
+        if placements is not None and any(pl.is_shard() for pl in placements):
+            out.add(id(p))
+    return out
+
+
+# ---- the plugins ------------------------------------------------------------------------------------------
+class TensorParallel:
+    """Base of the `tensor_parallel` plugins. With `mesh.tp == 1` every plugin leaves the model as it is.
+
+    `apply` shards a meta-device `TransformerLM` in place; the trainer's loss goes through `loss` inside
+    `loss_context()` (forward and backward both)."""
+
+    name = "none"
+    composes_with: tuple[str, ...] = ()  # strategies (parallelism names) this plugin runs under when tp > 1
+    checkpoints_with: tuple[str, ...] = ()  # those of them whose checkpoints hold every rank's shards
+
+    def __init__(self, sequence_parallel: bool = True) -> None:
+        self.sequence_parallel = bool(sequence_parallel)
+        self.active = False
+
+    def describe(self) -> str:
+        return f"{self.name}{'+sp' if self.sequence_parallel else ''}" if self.active else "none"
+
+    def validate(self, mesh: ParallelMesh, model_cfg, seq_len: int, strategy_name: str) -> None:
+        """Refuse (ConfigError naming the key) what cannot run: degrees that do not divide the model, strategies
+        this plugin does not compose with. Called before any process starts."""
+        tp = mesh.tp
+        if tp == 1:
+            return
+        for key, n in (("model.n_heads", model_cfg.n_heads), ("model.n_kv_heads", model_cfg.kv_heads),
+                       ("model.d_ff", model_cfg.d_ff), ("model.vocab_size", model_cfg.vocab_size)):
+            require(n % tp == 0, "mesh.tp", f"tp={tp} does not divide {key}={n}",
+                    f"choose mesh.tp dividing {key} (and the other split sizes: heads, kv heads, d_ff, vocabulary)")
+        if self.sequence_parallel:
+            require(seq_len % tp == 0, "tensor_parallel.sequence_parallel",
+                    f"sequence parallelism splits data.seq_len={seq_len} tokens over tp={tp}, which does not divide it",
+                    f"choose data.seq_len divisible by {tp}, or tensor_parallel.sequence_parallel=false")
+        require(strategy_name in self.composes_with, "parallelism",
+                f"parallelism={strategy_name} does not compose with tensor_parallel={self.name} (mesh.tp={tp})",
+                f"use one of {', '.join(self.composes_with)}, or the other tensor_parallel option")
+
+    def validate_checkpointing(self, mesh: ParallelMesh, strategy_name: str, wants_checkpoints: bool) -> None:
+        """Refuse checkpoints (saving or resuming) where this plugin has no format for the shards yet."""
+        if mesh.tp == 1 or not wants_checkpoints or strategy_name in self.checkpoints_with:
+            return
+        with_ = " or ".join(f"tensor_parallel={self.name} parallelism={s}" for s in self.checkpoints_with)
+        raise ConfigError("checkpoint", f"checkpoints of tensor_parallel={self.name} under parallelism={strategy_name} "
+                          f"(mesh.tp={mesh.tp}) are not implemented yet: rank 0 would save only its own shards",
+                          "set checkpoint.every=0 checkpoint.at_end=false resume=null"
+                          + (f", or use {with_}" if with_ else ", or use tensor_parallel=dtensor parallelism=torch_fsdp2"))
+
+    def can_checkpoint(self, strategy_name: str) -> bool:
+        """Whether a run under `strategy_name` saves and resumes checkpoints with this plugin (always at tp=1)."""
+        return not self.active or strategy_name in self.checkpoints_with
+
+    def apply(self, model: nn.Module, mesh: ParallelMesh) -> None:
+        self.active = mesh.tp > 1
+
+    def loss(self, logits: Tensor, target: Tensor) -> Tensor:
+        """Mean cross-entropy over every token of the micro-batch (float32)."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+    def loss_context(self) -> ContextManager:
+        return contextlib.nullcontext()
+
+    def collectives(self, mesh: ParallelMesh, model_cfg, micro_batch: int, seq_len: int, activation_bytes: int,
+                    micro_steps: int, recomputed_blocks: int) -> list:
+        """The tensor-parallel collectives of one optimizer step (`CollectiveSpec`s over the tp axis), as
+        `MegatronTensorParallel` runs them (the DTensor plans issue the same), per micro-step:
+
+        - each block's two regions enter and leave once forward and once backward; the embedding leaves once
+          forward and once backward, the LM head enters once each way;
+        - a recomputed (checkpointed) block repeats its forward up to the last tensor its backward needs: both
+          entries and the attention's exit (the MLP's exit feeds nothing saved, and non-reentrant checkpointing
+          stops before it);
+        - the loss: two all-reduces of three (B, T) float32 rows in all (the row max; the sums of exponentials
+          and the target logits);
+        - with sequence parallelism, each norm weight's gradient is summed over tp (float32, d_model).
+
+        Activation calls move the full (B, T, D) tensor (`activation_bytes` per element)."""
+        if mesh.tp == 1:
+            return []
+        from core.distributed.strategy import CollectiveSpec
+
+        m, n_layers, rec = micro_steps, model_cfg.n_layers, recomputed_blocks
+        btd = micro_batch * seq_len * model_cfg.d_model * activation_bytes
+        loss = CollectiveSpec("all_reduce", "loss statistics", 3 * m * micro_batch * seq_len * 4, 2 * m, ("tp",))
+        if self.sequence_parallel:
+            # enter: all-gather forward, reduce-scatter backward; leave: the reverse
+            gathers = m * (4 * n_layers + 2 + 2 * rec)
+            scatters = m * (4 * n_layers + 2 + rec)
+            norms = m * (2 * n_layers + 1)
+            return [CollectiveSpec("all_gather", "activations", gathers * btd, gathers, ("tp",)),
+                    CollectiveSpec("reduce_scatter", "activations", scatters * btd, scatters, ("tp",)), loss,
+                    CollectiveSpec("all_reduce", "norm gradients", norms * model_cfg.d_model * 4, norms, ("tp",))]
+        # enter: all-reduce backward; leave: all-reduce forward
+        reduces = m * (4 * n_layers + 2 + rec)
+        return [CollectiveSpec("all_reduce", "activations", reduces * btd, reduces, ("tp",)), loss]
+
+    def finish_gradients(self, model: nn.Module) -> None:
+        """Called once gradients are complete and synchronised, before clipping and the optimizer step."""
+
+
+class MegatronTensorParallel(TensorParallel):
+    """Our tensor parallelism (Megatron-LM): column/row-parallel Linears with conjugate communication Functions,
+    attention heads (and grouped KV heads) split over tp, SwiGLU w1/w3 column- and w2 row-parallel, vocabulary-
+    parallel embedding, LM head and cross-entropy; sequence parallelism optional (on by default)."""
+
+    name = "megatron"
+    composes_with = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed", "zero1", "zero1_rs",
+                     "torch_ddp")
+
+    def apply(self, model: nn.Module, mesh: ParallelMesh) -> None:
+        super().apply(model, mesh)
+        if not self.active:
+            return
+        group, world, rank = mesh.group("tp"), mesh.tp, mesh.submesh("tp").get_local_rank()
+        self.group, self.world, self.rank = group, world, rank
+        sp = self.sequence_parallel
+        enter = (lambda x: GatherSequence.apply(x, group, world)) if sp else (lambda x: CopyToRegion.apply(x, group))
+        leave = (lambda x: ReduceScatterSequence.apply(x, group, world)) if sp else \
+            (lambda x: ReduceFromRegion.apply(x, group))
+
+        def enter_hook(module, args):
+            return (enter(args[0]), *args[1:])
+
+        def leave_hook(module, args, out):
+            return leave(out)
+
+        cfg = model.cfg
+        for block in model.blocks:
+            attn, ffn = block.attn, block.ffn
+            e = cfg.head_dim
+            attn.qkv_proj = ColumnParallelLinear(attn.qkv_proj, rank, world,
+                                                 (cfg.n_heads * e, cfg.kv_heads * e, cfg.kv_heads * e))
+            attn.output_proj = RowParallelLinear(attn.output_proj, rank, world)
+            attn.n_heads, attn.n_kv_heads = cfg.n_heads // world, cfg.kv_heads // world
+            ffn.w1 = ColumnParallelLinear(ffn.w1, rank, world)
+            ffn.w3 = ColumnParallelLinear(ffn.w3, rank, world)
+            ffn.w2 = RowParallelLinear(ffn.w2, rank, world)
+            for region in (attn, ffn):
+                region.register_forward_pre_hook(enter_hook)
+                region.register_forward_hook(leave_hook)
+            if sp:
+                block.ln1 = SequenceParallelRMSNorm(block.ln1, group)
+                block.ln2 = SequenceParallelRMSNorm(block.ln2, group)
+        model.token_embeddings = VocabParallelEmbedding(model.token_embeddings, rank, world, leave)
+        if sp:
+            model.final_norm = SequenceParallelRMSNorm(model.final_norm, group)
+        model.lm_head = ColumnParallelLinear(model.lm_head, rank, world)
+        model.lm_head.register_forward_pre_hook(enter_hook)
+        self.vocab_start = rank * (cfg.vocab_size // world)
+
+    def loss(self, logits: Tensor, target: Tensor) -> Tensor:
+        if not self.active:
+            return super().loss(logits, target)
+        return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), target.flatten(), self.vocab_start, self.group)

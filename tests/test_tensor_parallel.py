@@ -1,0 +1,186 @@
+"""Tensor and sequence parallelism on CPU ranks (gloo, fp32) against one process: the same losses step by step,
+the same gradient norms, and each rank's gradient equal to its part of the one-process gradient.
+
+Every configuration is built by the real trainer (`core.trainer.build` on a composed config), so the parallelize
+step, the plugins, the strategies' gradient synchronisation and clipping are all exercised. One spawn runs
+several configurations one after another (starting ranks costs seconds)."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist_utils import run_ranks
+from tests.utils import compose_cfg
+
+STEPS = 3
+# GQA (2 KV heads for 4 query heads) so grouped KV heads are split too; 32 tokens so sequence parallelism splits them
+COMMON = ["model=tiny", "model.n_kv_heads=2", "model.n_layers=2", "data=synthetic", "data.seq_len=32",
+          "train.batch_size=4", f"train.max_steps={STEPS}", "optimizer.warmup_steps=1", "logger=none",
+          "mesh.device=cpu", "mesh.timeout_s=120"]
+
+TP2 = {  # mesh=dp1_tp2
+    "megatron_sp": ["tensor_parallel=megatron"],
+    "megatron_nosp": ["tensor_parallel=megatron", "tensor_parallel.sequence_parallel=false"],
+    "dtensor_sp": ["tensor_parallel=dtensor"],
+    "dtensor_nosp": ["tensor_parallel=dtensor", "tensor_parallel.sequence_parallel=false"],
+}
+DP2_TP2 = {  # mesh=dp2_tp2: 2 data-parallel groups of 2 tensor-parallel ranks
+    "megatron_sp_ddp_bucketed": ["tensor_parallel=megatron", "parallelism=ddp_bucketed"],
+    "megatron_nosp_zero1": ["tensor_parallel=megatron", "tensor_parallel.sequence_parallel=false",
+                            "parallelism=zero1"],
+    "megatron_sp_zero1_rs": ["tensor_parallel=megatron", "parallelism=zero1_rs"],
+    "megatron_sp_torch_ddp": ["tensor_parallel=megatron", "parallelism=torch_ddp"],
+    "dtensor_sp_torch_fsdp2": ["tensor_parallel=dtensor", "parallelism=torch_fsdp2"],
+}
+
+
+def _train(cfg, run_dir: Path) -> dict:
+    """STEPS optimizer steps through the trainer: each step's global loss and grad norm, and this rank's gradients
+    of the first step (after synchronisation, before clipping), by parameter name."""
+    from core.trainer import all_reduce_mean, build
+
+    run = build(cfg)
+    losses, norms, grads = [], [], {}
+    for step in range(STEPS):
+        loss = run.forward_backward(step)
+        if step == 0:
+            for name, p in run.raw_model.named_parameters():
+                if p.grad is not None:
+                    g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                    grads[name] = g.detach().clone()
+        norm, _ = run.optimizer_step(step, measure_norm=True)
+        losses.append(all_reduce_mean(loss, run.mesh))
+        norms.append(norm)
+    return {"losses": losses, "norms": norms, "grads": grads, "model": run.raw_model}
+
+
+def _reference(tmp: Path) -> dict:
+    ref = _train(compose_cfg(COMMON + ["mesh=single"], tmp / "single"), tmp / "single")
+    ref.pop("model")
+    return ref
+
+
+def _part(model: torch.nn.Module, pname: str, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a full gradient of parameter `pname` (the mapping the init uses, checked by the losses:
+    a wrong slice would start a rank from other weights than one process has)."""
+    from core.model import part_of_full
+
+    return part_of_full(model.get_submodule(pname.rsplit(".", 1)[0]), full)
+
+
+def _worker(rank: int, world: int, configs: dict, mesh: str, ref_path: str, tmp: str) -> None:
+    ref = torch.load(ref_path)
+    for name, overrides in configs.items():
+        cfg = compose_cfg(COMMON + [f"mesh={mesh}"] + overrides, Path(tmp) / name)
+        out = _train(cfg, Path(tmp) / name)
+        for step, (a, b) in enumerate(zip(out["losses"], ref["losses"])):
+            assert abs(a - b) <= 1e-4 * abs(b), f"{name}: step {step + 1} loss {a} != one process's {b}"
+        for step, (a, b) in enumerate(zip(out["norms"], ref["norms"])):
+            assert abs(a - b) <= 1e-4 * abs(b), f"{name}: step {step + 1} grad norm {a} != one process's {b}"
+        strategy = name.split("_", 2)[-1] if name.count("_") >= 2 else "none"
+        if strategy in ("zero1_rs", "torch_fsdp2"):
+            continue  # gradients sharded over dp too (owned / FSDP2's strided shards): the norms cover them
+        checked = 0
+        for pname, full in ref["grads"].items():
+            if pname not in out["grads"]:
+                continue
+            local = out["grads"][pname]
+            want = _part(out["model"], pname, full)
+            assert local.shape == want.shape, f"{name} {pname}: shape {tuple(local.shape)} != {tuple(want.shape)}"
+            assert torch.allclose(local, want, rtol=1e-4, atol=1e-6), \
+                f"{name} ({strategy}) {pname}: max error {(local - want).abs().max():.3e}"
+            checked += 1
+        assert checked >= len(ref["grads"]) // 2, f"{name}: only {checked} gradients compared"
+
+
+def _count_worker(rank: int, world: int, tmp: str) -> None:
+    """The planner's tensor-parallel terms against one real step: the bytes and calls of every collective the
+    ranks issue (counted at torch.distributed), and each rank's parameter bytes."""
+    import torch.distributed as dist
+
+    import core.distributed.tensor_parallel as tp_mod
+    from core.planner import plan, read_job, tensor_parallel_collectives
+    from core.trainer import build
+
+    counted: dict[str, list[int]] = {}
+
+    def counting(name, fn, which):
+        def wrapper(*args, **kwargs):
+            t = args[which]
+            calls, nbytes = counted.setdefault(name, [0, 0])
+            counted[name] = [calls + 1, nbytes + t.numel() * t.element_size()]
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for sp in (True, False):
+        cfg = compose_cfg(COMMON + ["mesh=dp1_tp2", f"tensor_parallel.sequence_parallel={sp}",
+                                    "train.grad_accum_steps=2", "activation_checkpointing=2"], Path(tmp) / str(sp))
+        run = build(cfg)
+        counted.clear()
+        originals = (dist.all_reduce, tp_mod.all_gather_flat, tp_mod.reduce_scatter_flat)
+        dist.all_reduce = counting("all_reduce", dist.all_reduce, 0)
+        tp_mod.all_gather_flat = counting("all_gather", tp_mod.all_gather_flat, 0)  # the gathered (full) size
+        tp_mod.reduce_scatter_flat = counting("reduce_scatter", tp_mod.reduce_scatter_flat, 1)  # the full input
+        try:
+            run.forward_backward(0)
+        finally:
+            dist.all_reduce, tp_mod.all_gather_flat, tp_mod.reduce_scatter_flat = originals
+        predicted: dict[str, list[int]] = {}
+        for c in tensor_parallel_collectives(read_job(cfg)):
+            calls, nbytes = predicted.setdefault(c.name, [0, 0])
+            predicted[c.name] = [calls + c.calls, nbytes + c.bytes_per_step]
+        assert predicted == counted, f"sequence_parallel={sp}: planned {predicted}, ran {counted}"
+        param_bytes = sum(p.numel() * p.element_size() for p in run.raw_model.parameters())
+        assert plan(cfg).memory["parameters"] == param_bytes
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp_ref")
+    ref = _reference(tmp)
+    path = tmp / "ref.pt"
+    torch.save(ref, path)
+    return str(path), ref
+
+
+def test_reference_is_a_real_run(reference):
+    _, ref = reference
+    assert len(ref["losses"]) == STEPS and all(math.isfinite(x) for x in ref["losses"])
+    assert all(g.abs().max() > 0 for g in ref["grads"].values())  # every weight gets a gradient to compare
+    assert len(ref["grads"]) == 2 * 5 + 2 * 2 + 3  # per block 5 Linears (qkv, out, w1-3) + 2 norms; emb, norm, head
+
+
+def test_tp2_matches_one_process(reference, tmp_path):
+    run_ranks(_worker, world_size=2, args=(TP2, "dp1_tp2", reference[0], str(tmp_path)), timeout_s=120)
+
+
+def test_dp2_tp2_matches_one_process(reference, tmp_path):
+    run_ranks(_worker, world_size=4, args=(DP2_TP2, "dp2_tp2", reference[0], str(tmp_path)), timeout_s=120)
+
+
+def test_planner_tensor_parallel_terms_match_a_real_step(tmp_path):
+    run_ranks(_count_worker, world_size=2, args=(str(tmp_path),), timeout_s=120)
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (["mesh.tp=3"], "mesh.tp", "does not divide model.n_heads=4"),
+    (["mesh.tp=2", "data.seq_len=31"], "tensor_parallel.sequence_parallel", "does not divide"),
+    (["mesh.tp=2", "parallelism=fsdp", "mesh.dp_shard=2"], "parallelism", "does not compose"),
+    (["mesh.tp=2", "tensor_parallel=dtensor", "parallelism=ddp_bucketed", "mesh.dp_shard=2"], "parallelism",
+     "does not compose"),
+    (["mesh.tp=2", "checkpoint.every=2"], "checkpoint", "not implemented yet"),
+])
+def test_impossible_tensor_parallel_configs_are_one_line(overrides, key, words, tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "train.py", "model=tiny", "data=synthetic", "mesh.device=cpu", "logger=none",
+           f"paths.output_root={tmp_path}", *overrides]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {key}:") and words in lines[0], proc.stderr
+    assert not list(tmp_path.rglob("summary.json"))  # refused before any run directory
