@@ -208,7 +208,7 @@ class Checkpointer:
         if problem is None:
             state = strategy.state_dict(model, optimizer)
             try:
-                if strategy.checkpoint_format == "dcp":
+                if strategy.checkpoint_format != "full":
                     import torch.distributed.checkpoint as dcp
 
                     dcp.save(state, checkpoint_id=str(tmp / "dcp"))  # collective: a failure raises on every rank
@@ -216,7 +216,8 @@ class Checkpointer:
                     _write(state, tmp / "state.pt")
                 if _is_main():
                     _write({**trainer_state, "step": step, "rng": rng_state(), "fingerprint": self.fingerprint,
-                            "format": strategy.checkpoint_format}, tmp / "trainer.pt")
+                            "format": strategy.checkpoint_format,
+                            "reshardable": bool(getattr(strategy, "reshardable", False))}, tmp / "trainer.pt")
                     self._publish(tmp, final)
             except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
                 failure = e
@@ -285,25 +286,31 @@ class Checkpointer:
 
     # ---- load -------------------------------------------------------------------------
     def load(self, path: Path, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer,
-             allowed_changes: Iterable[str] = ()) -> dict[str, Any]:
+             allowed_changes: Iterable[str] = (), readers: Iterable[Any] = ()) -> dict[str, Any]:
         """Restore model, optimizer and RNG from `path`; return the trainer state (step, scheduler, scaler...).
 
-        The fingerprint is checked before any state is loaded (core/resume.py). Optimizer hyper-parameters
-        are this run's (so an allowed change takes effect); moments and step counts are the checkpoint's."""
+        `strategy` reads its own checkpoint format; `readers` (objects with the same `checkpoint_format`,
+        `state_dict` and `load_state_dict`) read others, e.g. a tensor-parallel run's checkpoint on one process.
+        The fingerprint is checked before any state is loaded (core/resume.py): a checkpoint whose format can be
+        resharded (`reshardable` in trainer.pt) may be resumed on another mesh shape when the run allows it.
+        Optimizer hyper-parameters are this run's (so an allowed change takes effect); moments and step counts
+        are the checkpoint's."""
         try:
             trainer_state = torch.load(path / "trainer.pt", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unreadable file is the same one-line error
             raise ConfigError("resume", f"{path}/trainer.pt cannot be read ({_read_error(e)})",
                               _unreadable_fix(path)) from None
-        check_resumable(trainer_state.get("fingerprint", {}), self.fingerprint, allowed_changes, path)
+        check_resumable(trainer_state.get("fingerprint", {}), self.fingerprint, allowed_changes, path,
+                        reshardable=bool(trainer_state.get("reshardable", False)))
+        strategy = next((r for r in readers if r.checkpoint_format == trainer_state.get("format")), strategy)
         require(trainer_state.get("format") == strategy.checkpoint_format, "resume",
                 f"checkpoint {path} was written in {trainer_state.get('format')!r} format, but parallelism "
                 f"{strategy.name!r} uses {strategy.checkpoint_format!r}", "resume under the strategy that wrote it")
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         state = strategy.state_dict(model, optimizer)
-        stored = path / ("dcp" if strategy.checkpoint_format == "dcp" else "state.pt")
+        stored = path / ("state.pt" if strategy.checkpoint_format == "full" else "dcp")
         try:
-            if strategy.checkpoint_format == "dcp":
+            if strategy.checkpoint_format != "full":
                 import torch.distributed.checkpoint as dcp
 
                 dcp.load(state, checkpoint_id=str(stored))

@@ -13,6 +13,15 @@ class ConfigError(ValueError):
         super().__init__(f"{key}: {problem}. Fix: {fix}")
 
 
+def config_error_from(text: str) -> ConfigError | None:
+    """The ConfigError whose message is `text` (as another process printed it), or None if `text` is not one."""
+    key, sep, rest = text.partition(": ")
+    problem, fix_sep, fix = rest.rpartition(". Fix: ")
+    if not (sep and fix_sep) or " " in key:
+        return None
+    return ConfigError(key, problem, fix)
+
+
 def require(condition: bool, key: str, problem: str, fix: str) -> None:
     """Raise `ConfigError(key, problem, fix)` unless `condition` holds."""
     if not condition:

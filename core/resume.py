@@ -25,8 +25,9 @@ _TRAIN_KEYS = ("batch_size", "grad_accum_steps", "max_steps")
 _MESH_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 # the saved tensors' shapes and layout depend on these: no override can make such a checkpoint load
 FIXED = ("model.d_model", "model.d_ff", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.vocab_size",
-         "optimizer.factory._target_", "parallelism._target_", "tensor_parallel._target_",
-         "tensor_parallel.sequence_parallel", "world_size") + tuple(f"mesh.{k}" for k in _MESH_KEYS)
+         "optimizer.factory._target_", "parallelism._target_", "tensor_parallel._target_")
+# the mesh shape too, unless the checkpoint's format reads on any mesh (`reshardable`: tensor-parallel checkpoints)
+MESH_FIXED = ("world_size",) + tuple(f"mesh.{k}" for k in _MESH_KEYS)
 
 
 def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
@@ -64,16 +65,19 @@ def check_allowed_keys(allowed: Iterable[str], current: dict[str, Any]) -> list[
     return entries
 
 
-def check_resumable(saved: dict[str, Any], current: dict[str, Any], allowed: Iterable[str], path: Path) -> None:
+def check_resumable(saved: dict[str, Any], current: dict[str, Any], allowed: Iterable[str], path: Path,
+                    reshardable: bool = False) -> None:
     """Refuse (ConfigError) a resume whose config differs from the checkpoint's in keys not allowed.
 
-    Keys the checkpoint does not record (written by an older version) are not compared."""
+    Keys the checkpoint does not record (written by an older version) are not compared. The mesh shape may
+    change (when allowed) only for a `reshardable` checkpoint."""
     allowed = check_allowed_keys(allowed, current)
     saved_flat: dict[str, Any] = {}
     _flatten("", saved, saved_flat)
     changed = sorted(k for k in saved_flat if k in current and _normal(saved_flat[k]) != _normal(current[k]))
-    fixed = [k for k in changed if k in FIXED]
-    refused = [k for k in changed if k not in FIXED and not any(_covers(e, k) for e in allowed)]
+    fixed_keys = FIXED + (() if reshardable else MESH_FIXED)
+    fixed = [k for k in changed if k in fixed_keys]
+    refused = [k for k in changed if k not in fixed_keys and not any(_covers(e, k) for e in allowed)]
     if not fixed and not refused:
         return
     listing = ", ".join(f"{k} {saved_flat[k]!r} -> {current[k]!r}" for k in fixed + refused)

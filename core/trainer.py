@@ -330,8 +330,10 @@ def _resume(run: Run, ckpt: Checkpointer) -> tuple[int, Path | None]:
         if cfg.resume == "auto" and run.mesh.is_main:
             print(f"[scalelab] resume=auto: no checkpoint in {ckpt.dir}, starting fresh", flush=True)
         return 0, None
-    state = ckpt.load(resume_from, run.strategy, run.raw_model, run.optimizer,
-                      OmegaConf.select(cfg, "resume_allow_changes", default=None) or [])
+    reader = run.tensor_parallel.checkpoint_reader(run.strategy, run.mesh)
+    state = ckpt.load(resume_from, run.tensor_parallel.checkpoint_view(run.strategy, run.mesh), run.raw_model,
+                      run.optimizer, OmegaConf.select(cfg, "resume_allow_changes", default=None) or [],
+                      readers=[reader] if reader is not None else [])
     run.precision.load_state_dict(state.get("precision", {}))
     return int(state["step"]), resume_from
 
@@ -365,7 +367,7 @@ def _save(run: Run, ckpt: Checkpointer, step: int) -> None:
             print(f"not saving step {step}: {run.tensor_parallel.describe()} tensor parallelism under "
                   f"parallelism={run.strategy.name} has no checkpoint format yet", flush=True)
         return
-    ckpt.save(step, run.strategy, run.raw_model, run.optimizer, {"precision": run.precision.state_dict()})
+    ckpt.save(step, run.tensor_parallel.checkpoint_view(run.strategy, run.mesh), run.raw_model, run.optimizer, {"precision": run.precision.state_dict()})
 
 
 def _train_loop(run: Run) -> dict[str, Any]:

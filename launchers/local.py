@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from core import stop
 from core.distributed.heartbeat import RankStalledError
-from core.errors import ConfigError
+from core.errors import ConfigError, config_error_from
 
 # NVLink SHARP (multicast) is kept off: not every NVLink machine provides it, and NCCL fails where it is missing
 WORKER_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -234,7 +234,11 @@ def launch_workers(cfg: DictConfig, nproc: int) -> Any:
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         message, frames = failure_message(failure)
-        stalled = f"{RankStalledError.__name__}: "
+        stalled, bad_input = f"{RankStalledError.__name__}: ", f"{ConfigError.__name__}: "
+        if message.startswith(bad_input):  # bad input found in a rank (a checkpoint that does not fit): one line
+            error = config_error_from(message[len(bad_input):].splitlines()[0])
+            if error is not None:
+                raise error from None
         if message.startswith(stalled):  # the culprit is the rank it names, not the one that timed out
             raise WorkerFailedError(f"{message[len(stalled):]} (reported by rank {rank})") from None
         raise WorkerFailedError(f"rank {rank} of {nproc} failed: {message}"

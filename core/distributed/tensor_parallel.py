@@ -22,7 +22,7 @@ the vocabulary shards with three all-reduces of (B, T) numbers and never gathers
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
@@ -283,9 +283,19 @@ class TensorParallel:
                           "set checkpoint.every=0 checkpoint.at_end=false resume=null"
                           + (f", or use {with_}" if with_ else ", or use tensor_parallel=dtensor parallelism=torch_fsdp2"))
 
+    def checkpoint_view(self, strategy, mesh: ParallelMesh):
+        """What saves and loads this run's checkpoints: the strategy itself, or, for a whole-tensor strategy
+        under our tensor parallelism, `TensorParallelCheckpoint` (also the reader of such checkpoints when a
+        run on another mesh resumes from one)."""
+        return strategy
+
     def can_checkpoint(self, strategy_name: str) -> bool:
         """Whether a run under `strategy_name` saves and resumes checkpoints with this plugin (always at tp=1)."""
         return not self.active or strategy_name in self.checkpoints_with
+
+    def checkpoint_reader(self, strategy, mesh: ParallelMesh):
+        """A reader for checkpoints this run's own view does not write (None: only its own format)."""
+        return None
 
     def apply(self, model: nn.Module, mesh: ParallelMesh) -> None:
         self.active = mesh.tp > 1
@@ -343,6 +353,17 @@ class MegatronTensorParallel(TensorParallel):
     name = "megatron"
     composes_with = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed", "zero1", "zero1_rs",
                      "torch_ddp")
+    # the whole-tensor strategies: `TensorParallelCheckpoint` saves their state with its tp placements
+    checkpoints_with = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed", "torch_ddp")
+
+    def checkpoint_view(self, strategy, mesh: ParallelMesh):
+        if self.active and strategy.checkpoint_format == "full":
+            return TensorParallelCheckpoint(self, mesh, strategy.name)
+        return strategy
+
+    def checkpoint_reader(self, strategy, mesh: ParallelMesh) -> "TensorParallelCheckpoint | None":
+        """The reader of `TensorParallelCheckpoint`s for a whole-tensor strategy on any mesh (tp 1 included)."""
+        return TensorParallelCheckpoint(self, mesh, strategy.name) if strategy.checkpoint_format == "full" else None
 
     def apply(self, model: nn.Module, mesh: ParallelMesh) -> None:
         super().apply(model, mesh)
@@ -389,3 +410,96 @@ class MegatronTensorParallel(TensorParallel):
         if not self.active:
             return super().loss(logits, target)
         return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), target.flatten(), self.vocab_start, self.group)
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------------
+class TensorParallelCheckpoint:
+    """Checkpoint state of a run whose strategy keeps whole tensors per data-parallel rank (`none`, the DDP family,
+    `torch_ddp`) under our tensor parallelism, as torch.distributed.checkpoint entries that any mesh can read.
+
+    Every tp-split weight, and each optimizer-state tensor shaped like it, is saved as a DTensor sharded over the
+    tp axis, so its global value is the one-process tensor; the fused qkv weight is saved as its three segments
+    (`<name>#q`, `#k`, `#v`), each split on its own (a rank's qkv rows are its q, k and v heads, not one slice of
+    the fused weight). Replicas over dp write once (DCP deduplicates). Loading reads whatever slices this rank's
+    mesh needs: a run on another tp or dp degree resumes from it, and so does a one-process run (the adapter with
+    tensor parallelism inactive reads whole tensors). Behaves like a `Strategy` to `core.checkpoint.Checkpointer`."""
+
+    checkpoint_format = "dcp_tp"
+    reshardable = True
+
+    def __init__(self, tensor_parallel: "TensorParallel", mesh: ParallelMesh, strategy_name: str) -> None:
+        self.tp, self.mesh, self.name = tensor_parallel, mesh, strategy_name
+
+    def _pieces(self, model: nn.Module, fqn: str, value: Tensor) -> list[tuple[str, Tensor, int | None]]:
+        """(key suffix, local piece, tp-sharded dim or None) of `value`: parameter `fqn` or optimizer state shaped
+        like it."""
+        owner, _, leaf = fqn.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        if leaf != "weight" or value.dim() == 0:
+            return [("", value, None)]
+        split = isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))
+        dim = 1 if isinstance(module, RowParallelLinear) else 0
+        if owner.endswith("attn.qkv_proj"):
+            cfg, world = model.cfg, self.mesh.tp if split else 1
+            sizes = [n * cfg.head_dim // world for n in (cfg.n_heads, cfg.kv_heads, cfg.kv_heads)]
+            return [(f"#{tag}", part, 0 if split else None) for tag, part in zip("qkv", value.split(sizes, dim=0))]
+        return [("", value, dim if split else None)]
+
+    def _as_global(self, piece: Tensor, dim: int | None):
+        if dim is None:
+            return piece
+        from torch.distributed.tensor import DTensor, Shard
+
+        shape = list(piece.shape)
+        shape[dim] *= self.mesh.tp
+        return DTensor.from_local(piece, self.mesh.submesh("tp"), [Shard(dim)], run_check=False,
+                                  shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+
+    def _flat(self, model: nn.Module, fqn: str, entries: dict[str, Any]) -> dict[str, Any]:
+        """`entries` (keyed by name) of parameter `fqn` as checkpoint entries: split pieces get key suffixes."""
+        out = {}
+        for key, value in entries.items():
+            if not torch.is_tensor(value):
+                out[key] = value
+                continue
+            for tag, piece, dim in self._pieces(model, fqn, value):
+                out[key + tag] = self._as_global(piece, dim)
+        return out
+
+    def _raw(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        from core.distributed.comm import init_optimizer_state
+
+        init_optimizer_state(optimizer)  # a template before the first step needs every state tensor
+        return get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        model_sd, optim_sd = self._raw(model, optimizer)
+        flat_model: dict[str, Any] = {}
+        for fqn, value in model_sd.items():
+            flat_model.update(self._flat(model, fqn, {fqn: value}))
+        return {"model": flat_model,
+                "optimizer": {"state": {fqn: self._flat(model, fqn, s) for fqn, s in optim_sd["state"].items()},
+                              "param_groups": optim_sd["param_groups"]}}
+
+    @torch.no_grad()
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        model_sd, optim_sd = self._raw(model, optimizer)
+
+        def restore(fqn: str, entries: dict[str, Any], loaded: dict) -> None:
+            for key, value in entries.items():
+                if not torch.is_tensor(value):
+                    continue
+                parts = [loaded[key + tag] for tag, _, _ in self._pieces(model, fqn, value)]
+                parts = [p.to_local() if hasattr(p, "to_local") else p for p in parts]
+                value.copy_(torch.cat(parts, dim=0) if len(parts) > 1 else parts[0])
+
+        for fqn, value in model_sd.items():
+            restore(fqn, {fqn: value}, state["model"])
+        for fqn, s in optim_sd["state"].items():
+            restore(fqn, s, state["optimizer"]["state"][fqn])
+        set_model_state_dict(model, model_sd)
+        set_optimizer_state_dict(model, optimizer, optim_sd)
