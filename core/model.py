@@ -6,7 +6,8 @@ Shapes: B batch, T sequence, D d_model, H query heads, K kv heads, E head dim, V
 
 The attention math is a plugin (`core.attention`); everything else reads top to bottom.
 Build large models on the meta device (`with torch.device("meta")`), then call
-`init_weights()` after `to_empty(device=...)`: nothing is allocated before sharding.
+`init_weights()` after `to_empty(device=...)`, or let a sharding strategy allocate only its shards and fill them
+through `init_weights_each` (one full weight alive at a time): nothing is allocated before sharding.
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from torch.utils.checkpoint import checkpoint
 from core.attention import AttentionImpl, SDPAAttention
 from core.errors import require
 from core.nvtx import nvtx_range
+
+# init_weight(module, draw): initialise module.weight (or this rank's part of it) by calling draw(full) once
+WeightInit = Callable[[nn.Module, Callable[[Tensor], object]], None]
 
 
 @dataclass
@@ -205,8 +209,22 @@ class TransformerLM(nn.Module):
     def init_weights(self, seed: int | None = None) -> None:
         """Truncated-normal linears/embedding (std 0.02, output projections scaled by depth), unit norms.
 
-        With `seed`, draws from a private generator so every strategy gets identical weights.
+        With `seed`, draws from a private generator so every strategy gets identical weights. The whole model
+        must be materialised; a strategy that shards while it initialises uses `init_weights_each`.
         """
+        self.init_weights_each(seed)
+
+    @torch.no_grad()
+    def init_weights_each(self, seed: int | None = None, init_weight: Optional[WeightInit] = None) -> None:
+        """`init_weights`, handing each Linear/Embedding weight to `init_weight(module, draw)` as it comes.
+
+        `draw(t)` fills `t`, a tensor shaped like the module's full (unsplit) weight on the generator's device,
+        with that weight's values; `init_weight` must call it exactly once per module, in the order it is called
+        (the generator is sequential), and store the module's part: a caller can allocate, shard and free one
+        full weight at a time. Default: `init_part` (in place, or this rank's tensor-parallel part). Norms and
+        RoPE tables are reset in place, so they must be materialised before. The generator lives on the device of
+        `lm_head.weight` (the CPU while that is on the meta device)."""
+        init_weight = init_weight if init_weight is not None else init_part
         gen = None
         if seed is not None:
             dev = self.lm_head.weight.device
@@ -216,13 +234,13 @@ class TransformerLM(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 s = out_std if name.endswith(("output_proj", "ffn.w2")) else std
-                _init_part(module, lambda t, s=s: nn.init.trunc_normal_(t, mean=0.0, std=s, a=-3 * s, b=3 * s,
-                                                                        generator=gen))
+                init_weight(module, lambda t, s=s: nn.init.trunc_normal_(t, mean=0.0, std=s, a=-3 * s, b=3 * s,
+                                                                         generator=gen))
             elif isinstance(module, (RMSNorm, RotaryEmbedding)):
                 module.reset_parameters()
 
 
-def _init_part(module: nn.Module, init: Callable[[Tensor], object]) -> None:
+def init_part(module: nn.Module, init: Callable[[Tensor], object]) -> None:
     """Initialise `module.weight` in place with `init`; a weight split over ranks (tensor parallelism) gets its
     part of the full weight `init` draws, so every mesh shape starts from the weights one process would have."""
     weight = module.weight
@@ -252,5 +270,16 @@ def part_of_full(module: nn.Module, full: Tensor) -> Tensor:
     coord = weight.device_mesh.get_coordinate()
     for mesh_dim, placement in enumerate(placements):
         if placement.is_shard():
-            full = full.chunk(weight.device_mesh.size(mesh_dim), dim=placement.dim)[coord[mesh_dim]]
+            # FSDP2 over a tensor-parallel DTensor nests its shard inside TP's (_StridedShard): not this left-to-right
+            # split; callers materialise such models before fully_shard instead
+            if type(placement).__name__ != "Shard":
+                raise NotImplementedError(f"this rank's part of a weight placed {tuple(placements)}")
+            full = chunk_of(full, weight.device_mesh.size(mesh_dim), placement.dim, coord[mesh_dim])
     return full
+
+
+def chunk_of(full: Tensor, n: int, dim: int, i: int) -> Tensor:
+    """Piece `i` of `full.chunk(n, dim)`: torch.chunk's split, which DTensor's Shard and FSDP2 use, with an empty
+    piece for the ranks past the last chunk (5 rows over 4 ranks: 2, 2, 1, 0)."""
+    pieces = full.chunk(n, dim=dim)
+    return pieces[i] if i < len(pieces) else full.narrow(dim, 0, 0)

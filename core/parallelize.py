@@ -8,12 +8,14 @@
     4. the data-parallel wrap                             (the `parallelism` strategy: DDP family, ZeRO-1, FSDP, ...)
        which materialises this rank's shards and initialises them from the run's seed
 
-Nothing is allocated before step 4, and then only this rank's parts: `TransformerLM.init_weights` draws each
-full weight from the seed and keeps the rank's slice, so every mesh shape starts from the weights one process
-would have (torchtitan's order; our code).
+Nothing is allocated before step 4, and then only this rank's parts: `TransformerLM.init_weights_each` draws each
+full weight from the seed, one at a time, and keeps the rank's slice (tensor-parallel and, under fsdp /
+torch_fsdp2, data-parallel shards), so every mesh shape starts from the weights one process would have
+(torchtitan's order; our code). The replicating strategies hold the whole (tensor-parallel part of the) model.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from torch import nn
@@ -40,5 +42,5 @@ def parallelize(model: TransformerLM, mesh: ParallelMesh, tensor_parallel: Tenso
     checkpointed = activation_checkpointing.apply(model, checkpoint_every)
     if compile_model:
         model.compile()
-    module = strategy.setup(model, mesh, lambda m: m.init_weights(seed=seed))
+    module = strategy.setup(model, mesh, functools.partial(TransformerLM.init_weights_each, seed=seed))
     return Parallelized(module, checkpointed)

@@ -38,6 +38,7 @@ No Hydra composition: the model and strategies are built directly from core.*.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -108,7 +109,7 @@ def _worker(job: dict) -> dict:
         raw = TransformerLM(cfg)
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
-    model = strategy.setup(raw, mesh, lambda m: m.init_weights(seed=0))
+    model = strategy.setup(raw, mesh, functools.partial(TransformerLM.init_weights_each, seed=0))
     after_init = mem()
     n_params = cfg.num_params()
     fused = cuda

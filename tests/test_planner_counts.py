@@ -4,6 +4,7 @@ actual (sharded) tensors and the bytes of every collective through wrapped torch
 planner's prediction for the same config must match them."""
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 from types import SimpleNamespace
@@ -104,7 +105,7 @@ def _count_step(mesh, job: dict[str, Any], counter, rank: int) -> dict[str, Any]
     strategy = instantiate(job["parallelism"])
     with torch.device("meta"):
         model = TransformerLM(instantiate(job["model"]))
-    wrapped = strategy.setup(model, mesh, lambda m: m.init_weights(seed=0))
+    wrapped = strategy.setup(model, mesh, functools.partial(TransformerLM.init_weights_each, seed=0))
     opt = strategy.build_optimizer(wrapped, param_groups(model, 0.1), lambda g: torch.optim.AdamW(g, lr=1e-3))
     counter.bytes, counter.calls, counter.on = {}, {}, True
     torch.manual_seed(rank)

@@ -23,6 +23,13 @@ One step, per sharded weight ("unit"; a tied weight is one unit used by two modu
   step      the optimizer updates the fp32 shards only (master weights stay fp32).
 Gradient accumulation reduce-scatters every micro-step (unsharded gradients are never kept).
 Not combined with activation checkpointing (the recomputed forward would gather again).
+
+Initialisation: a model on the meta device is wrapped as it is. Each sharded weight gets its (zero-padded) shard
+allocated on the device, the replicated rest is materialised, and `init_weight` then fills the shards weight by
+weight in the model's init order (`TransformerLM.init_weights_each`): the full weight is drawn from the seed into a
+transient tensor, this rank's rows are kept and the transient is freed before the next. No rank ever holds the
+whole model, and every rank holds the rows one process would have drawn (no broadcast needed). A materialised
+module is broadcast from rank 0 and sharded.
 """
 from __future__ import annotations
 
@@ -38,10 +45,11 @@ from torch import nn
 from core.distributed.comm import (CommTimer, all_gather_coalesced, all_gather_flat, broadcast_module, group_rank,
                                    group_size, init_optimizer_state, reduce_scatter_flat, supports_avg)
 from core.distributed.mesh import ParallelMesh
-from core.distributed.strategy import (DP_AXES, CollectiveSpec, ModelLayout, Strategy, StrategyProfile, axes_degree,
-                                       materialize)
+from core.distributed.strategy import (DP_AXES, CollectiveSpec, ModelInit, ModelLayout, Strategy, StrategyProfile,
+                                       axes_degree, materialize)
 from core.dtypes import dtype_bytes, parse_dtype
 from core.errors import require
+from core.model import init_part, part_of_full
 
 
 class _Unit:
@@ -103,10 +111,13 @@ class FullyShardedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, process_group: Optional[dist.ProcessGroup] = None,
                  compute_dtype: Any = None, reduce_dtype: Any = None, prefetch: int = 1,
                  timer: Optional[CommTimer] = None,
-                 reduce_scatter_group: Optional[dist.ProcessGroup] = None, group_by: str = "block") -> None:
-        """`reduce_scatter_group`: the same ranks as `process_group` in a group of its own, for the gradient
-        reduce-scatters: each group runs its collectives in order on its own NCCL stream, so backward's
-        prefetched all-gathers (on the critical path) do not queue behind reduce-scatters (which are not).
+                 reduce_scatter_group: Optional[dist.ProcessGroup] = None, group_by: str = "block",
+                 device: Optional[torch.device] = None) -> None:
+        """`module` materialised (broadcast from rank 0, then sharded) or on the meta device (shards allocated on
+        `device`, left for `init_weight` to fill; module docstring). `reduce_scatter_group`: the same ranks as
+        `process_group` in a group of its own, for the gradient reduce-scatters: each group runs its collectives
+        in order on its own NCCL stream, so backward's prefetched all-gathers (on the critical path) do not queue
+        behind reduce-scatters (which are not).
         None: everything on `process_group`. `group_by`: "block" or "weight", what one all-gather moves
         (module docstring)."""
         super().__init__()
@@ -126,9 +137,14 @@ class FullyShardedDataParallel(nn.Module):
         self.compute_dtype = parse_dtype(compute_dtype, "parallelism.compute_dtype")
         self.reduce_dtype = parse_dtype(reduce_dtype, "parallelism.reduce_dtype")
         self.prefetch = prefetch
-        device = next(module.parameters()).device
+        on_meta = any(p.is_meta for p in module.parameters())
+        device = device if device is not None else next(module.parameters()).device
+        require(device.type != "meta", "device", "a meta-device module needs the device its shards go to",
+                "pass device=")
+        self.device = device
         self.timer = timer if timer is not None else CommTimer(device, enabled=False)
-        broadcast_module(module, process_group)
+        if not on_meta:  # a meta module is filled from the seed, identically on every rank
+            broadcast_module(module, process_group)
         self.units: list[_Unit] = []
         self._group_key = {id(m): block_key(n) if group_by == "block" else n for n, m in module.named_modules()}
         by_param: dict[int, _Unit] = {}
@@ -142,6 +158,9 @@ class FullyShardedDataParallel(nn.Module):
             m._parameters["weight"] = unit.shard
             m.register_forward_pre_hook(self._make_pre_hook(unit))
             m.register_forward_hook(self._make_post_hook(unit))
+        self._unit_of = {id(u.shard): u for u in self.units}
+        if on_meta:
+            _materialize_rest(module, device)
         shard_ids = {id(u.shard) for u in self.units}
         seen: set[int] = set()
         self.replicated = []
@@ -166,10 +185,12 @@ class FullyShardedDataParallel(nn.Module):
     # ---- sharding ----
     @torch.no_grad()
     def _shard(self, w: nn.Parameter) -> _Unit:
+        """This rank's rows of `w` as a new unit (rows past the end zero); a meta `w` leaves them for `init_weight`."""
         rows = math.ceil(w.shape[0] / self.world)
-        local = torch.zeros((rows,) + tuple(w.shape[1:]), dtype=w.dtype, device=w.device)
+        local = torch.zeros((rows,) + tuple(w.shape[1:]), dtype=w.dtype,
+                            device=self.device if w.is_meta else w.device)
         lo, hi = self.rank * rows, min(w.shape[0], (self.rank + 1) * rows)
-        if hi > lo:
+        if hi > lo and not w.is_meta:
             local[: hi - lo].copy_(w[lo:hi])
         unit = _Unit(len(self.units), nn.Parameter(local, requires_grad=w.requires_grad), w.shape, rows)
         self.units.append(unit)
@@ -177,6 +198,21 @@ class FullyShardedDataParallel(nn.Module):
 
     def valid_rows(self, unit: _Unit) -> int:
         return max(0, min(unit.rows, unit.full_shape[0] - self.rank * unit.rows))
+
+    @torch.no_grad()
+    def init_weight(self, module: nn.Module, draw) -> None:
+        """A `core.model.WeightInit`: draw `module`'s full weight into a transient tensor and keep this rank's rows
+        in its shard (the transient is the only full weight alive; it is freed on return)."""
+        unit = self._unit_of.get(id(module._parameters["weight"]))
+        if unit is None:  # not one of ours (a wrapped module's own weight): initialise it in place
+            init_part(module, draw)
+            return
+        shape = getattr(module, "full_weight_shape", None) or unit.full_shape  # a tensor-parallel part's whole
+        full = torch.empty(shape, dtype=unit.shard.dtype, device=unit.shard.device)
+        draw(full)
+        part = part_of_full(module, full)  # the tensor-parallel part, if the module is one (else `full`)
+        lo, n = self.rank * unit.rows, self.valid_rows(unit)
+        unit.shard.detach()[:n].copy_(part[lo:lo + n])
 
     # ---- all-gather ----
     def _launch_gather(self, units: list[_Unit], for_backward: bool = False) -> None:
@@ -386,6 +422,23 @@ class FullyShardedDataParallel(nn.Module):
         return out
 
 
+def _materialize_rest(module: nn.Module, device: torch.device) -> None:
+    """Allocate every parameter and buffer of `module` still on the meta device on `device` (values left to the
+    init), and move those on another device there; tied tensors stay tied."""
+    done: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        for table in (m._parameters, m._buffers):
+            for key, t in table.items():
+                if t is None:
+                    continue
+                if id(t) not in done:
+                    new = torch.empty_like(t, device=device) if t.is_meta else t.to(device)
+                    if new is not t and isinstance(t, nn.Parameter):
+                        new = nn.Parameter(new, requires_grad=t.requires_grad)
+                    done[id(t)] = new
+                table[key] = done[id(t)]
+
+
 def _shard_dtensor(local: torch.Tensor, full_shape, device_mesh):
     from torch.distributed.tensor import DTensor, Shard
 
@@ -438,9 +491,13 @@ class FSDPStrategy(Strategy):
         require(mesh.dp_replicate == 1, "mesh.dp_replicate", "our fsdp shards over the whole data-parallel group",
                 "use mesh.dp_shard for the data-parallel size (or torch_fsdp2 for HSDP)")
 
-    def setup(self, model: nn.Module, mesh: ParallelMesh, init_fn) -> nn.Module:
+    def setup(self, model: nn.Module, mesh: ParallelMesh, init_fn: ModelInit) -> nn.Module:
+        """Shard a meta-device model and initialise the shards weight by weight (module docstring); a
+        materialised one is moved, broadcast and sharded."""
         self.mesh = mesh
-        model = materialize(model, mesh.device_obj, init_fn)
+        on_meta = any(p.is_meta for p in model.parameters())
+        if not on_meta:
+            model = materialize(model, mesh.device_obj, init_fn)
         self.timer = CommTimer(mesh.device_obj)
         group = mesh.group("dp")
         rs_group = None
@@ -449,7 +506,9 @@ class FSDPStrategy(Strategy):
             rs_group = dist.new_group(ranks=dist.get_process_group_ranks(group),
                                       timeout=datetime.timedelta(seconds=mesh.timeout_s))
         self.wrapped = FullyShardedDataParallel(model, group, timer=self.timer, reduce_scatter_group=rs_group,
-                                                **self.kwargs)
+                                                device=mesh.device_obj, **self.kwargs)
+        if on_meta:
+            init_fn(model, init_weight=self.wrapped.init_weight)
         return self.wrapped
 
     def finish_gradient_synchronization(self) -> None:

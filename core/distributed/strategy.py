@@ -32,6 +32,10 @@ from core.distributed.tensor_parallel import tp_sharded_parameters
 from core.errors import require
 
 OptimizerFactory = Callable[[Iterable[dict[str, Any]]], torch.optim.Optimizer]
+# init_fn(model) initialises a materialised model in place from the run's seed; init_fn(model, init_weight=f)
+# hands each Linear/Embedding weight to f(module, draw) instead (`TransformerLM.init_weights_each`), so a sharding
+# strategy can draw one full weight at a time and keep its shard
+ModelInit = Callable[..., None]
 
 
 DP_AXES = ("dp_replicate", "dp_shard")  # the flattened "dp" group of `ParallelMesh`
@@ -130,8 +134,9 @@ def axes_degree(mesh: ParallelMesh, axes: tuple[str, ...]) -> int:
     return n
 
 
-def materialize(model: nn.Module, device: torch.device, init_fn: Callable[[nn.Module], None]) -> nn.Module:
-    """Move a meta-device model to `device` and initialise it with `init_fn` (a seeded init)."""
+def materialize(model: nn.Module, device: torch.device, init_fn: ModelInit) -> nn.Module:
+    """Move a meta-device model to `device` and initialise it with `init_fn` (a seeded init): every rank holds
+    the whole model (the replicating strategies; the sharding ones allocate only their shards)."""
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
         model.to_empty(device=device)
         init_fn(model)
@@ -165,7 +170,7 @@ class Strategy:
         """What this strategy holds and sends per rank on `mesh` (no process group needed)."""
         return StrategyProfile()
 
-    def setup(self, model: nn.Module, mesh: ParallelMesh, init_fn: Callable[[nn.Module], None]) -> nn.Module:
+    def setup(self, model: nn.Module, mesh: ParallelMesh, init_fn: ModelInit) -> nn.Module:
         """Materialise, shard or wrap the model; return the module the trainer calls."""
         self.mesh = mesh
         return materialize(model, mesh.device_obj, init_fn)

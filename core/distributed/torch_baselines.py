@@ -5,6 +5,10 @@ torch_ddp    DDP with 25 MB buckets, gradients as bucket views (no copy back), `
 torch_fsdp2  `fully_shard` per TransformerBlock and then the root, reshard after forward, bf16
              `param_dtype` / fp32 `reduce_dtype` when `compute_dtype` is set (what the reference
              measured); checkpoints through torch.distributed.checkpoint's state_dict helpers.
+             A meta-device model is sharded first and then materialised (`to_empty` allocates only the local
+             shards) and initialised: each weight is drawn whole into a transient tensor, one at a time, and this
+             rank's chunk kept (`core.model.part_of_full`). Over tensor-parallel DTensors (FSDP2 would nest its
+             shard inside TP's) the model is still materialised (this rank's TP part) before `fully_shard`.
 """
 from __future__ import annotations
 
@@ -18,8 +22,8 @@ from torch import nn
 from core.distributed.comm import broadcast_module, init_optimizer_state
 from core.distributed.ddp import bucket_layout, unwrap
 from core.distributed.mesh import ParallelMesh
-from core.distributed.strategy import (DP_AXES, CollectiveSpec, ModelLayout, Strategy, StrategyProfile, axes_degree,
-                                       materialize)
+from core.distributed.strategy import (DP_AXES, CollectiveSpec, ModelInit, ModelLayout, Strategy, StrategyProfile,
+                                       axes_degree, materialize)
 from core.dtypes import parse_dtype
 
 
@@ -119,18 +123,23 @@ class TorchFSDP2Strategy(Strategy):
             backward_transient_bytes=4 * 2 * layout.block_params if shards > 1 else 0,
             autocast_weight_copies=self.compute_dtype not in low)
 
-    def setup(self, model: nn.Module, mesh: ParallelMesh, init_fn) -> nn.Module:
+    def setup(self, model: nn.Module, mesh: ParallelMesh, init_fn: ModelInit) -> nn.Module:
+        """`fully_shard` the blocks and the root; a meta-device model is sharded before it is materialised."""
         try:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         except ImportError:  # torch < 2.6
             from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.mesh = mesh
-        model = materialize(model, mesh.device_obj, init_fn)  # identical init on every rank (seeded)
         if mesh.world_size == 1:
-            self.wrapped = model
-            return model
-        broadcast_module(model, mesh.group("dp"))
+            self.wrapped = materialize(model, mesh.device_obj, init_fn)
+            return self.wrapped
+        # FSDP2 over a tensor-parallel DTensor gives strided 2-D placements: initialise TP's part before sharding
+        shard_first = any(p.is_meta for p in model.parameters()) and \
+            not any(hasattr(p, "placements") for p in model.parameters())
+        if not shard_first:
+            model = materialize(model, mesh.device_obj, init_fn)  # identical init on every rank (seeded)
+            broadcast_module(model, mesh.group("dp"))
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype)
         dm = mesh.submesh("dp")
         if mesh.dp_replicate > 1:
@@ -139,6 +148,9 @@ class TorchFSDP2Strategy(Strategy):
         for block in (blocks if blocks is not None else []):
             fully_shard(block, mesh=dm, mp_policy=mp, reshard_after_forward=self.reshard_after_forward)
         fully_shard(model, mesh=dm, mp_policy=mp, reshard_after_forward=self.reshard_after_forward)
+        if shard_first:
+            model.to_empty(device=mesh.device_obj)  # only this rank's shards (FSDP2 re-registers them)
+            init_fn(model)  # each weight drawn whole, one at a time, and chunked to this rank's shard
         self.wrapped = model
         return model
 
