@@ -111,6 +111,7 @@ class Collective:
     ranks: int           # ranks in each group that runs it
     ms: float = float("nan")
     overlappable: bool = False
+    axes: tuple[str, ...] = ("dp_replicate", "dp_shard")  # the mesh axes whose ranks take part
 
 
 @dataclass
@@ -160,6 +161,9 @@ class Plan:
         d["comm_bytes_per_step"] = sum(c.bytes_per_step for c in self.collectives)
         d["comm_ms"] = self.time_ms.get("comm_ms")
         d["exposed_comm_ms"] = self.time_ms.get("exposed_comm_ms")
+        tp = [c for c in self.collectives if "tp" in c.axes]
+        if tp and self.time_ms:  # inline in the regions: all exposed
+            d["tp_comm_ms"] = d["tp_exposed_comm_ms"] = sum(c.ms for c in tp)
         return _finite(d)
 
     def check_fits(self, cfg: Optional[DictConfig] = None) -> None:
@@ -483,7 +487,8 @@ def predict_communication(job: Job, prof: StrategyProfile, spec: Optional[Device
     colls = []
     for c in list(prof.collectives) + tensor_parallel_collectives(job):
         ranks = axes_degree(job.mesh, c.axes)
-        coll = Collective(c.name, c.what, c.bytes_per_step, c.calls, ranks, overlappable=c.overlappable)
+        coll = Collective(c.name, c.what, c.bytes_per_step, c.calls, ranks, overlappable=c.overlappable,
+                          axes=tuple(c.axes))
         if spec is not None and spec.has_ceilings:
             nodes = max(1, math.ceil(job.mesh.world_size / spec.devices_per_node))
             busbw = spec.intra_busbw_gbps if nodes == 1 else spec.inter_busbw_gbps

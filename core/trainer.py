@@ -346,7 +346,19 @@ def _log_record(run: Run, step: int, loss: float, norm: float | None, step_s: fl
             "step_time_ms": step_s * 1e3, "tokens_per_s": run.tokens_per_step / step_s,
             "mfu": run.flops.mfu(step_s), "hfu": run.flops.hfu(step_s),
             "peak_mem_gib": peak_memory_gib(run.device), "skipped_steps": run.precision.skipped_steps,
-            **run.strategy.step_metrics()}
+            **_comm_metrics(run)}
+
+
+def _comm_metrics(run: Run) -> dict[str, float]:
+    """Communication time of the logged step: the strategy's (dp axis) and, under tensor parallelism, the tp
+    axis's, each with its exposed part; `comm_ms` / `exposed_comm_ms` are their sums."""
+    dp = run.strategy.step_metrics()
+    tp = run.tensor_parallel.step_metrics()
+    if not tp:
+        return dp
+    dp_ms, dp_exposed = dp.get("comm_ms", 0.0), dp.get("exposed_comm_ms", 0.0)
+    return {**dp, "dp_comm_ms": dp_ms, "dp_exposed_comm_ms": dp_exposed, **tp,
+            "comm_ms": dp_ms + tp["tp_comm_ms"], "exposed_comm_ms": dp_exposed + tp["tp_exposed_comm_ms"]}
 
 
 def _stop_reason(run: Run, step: int, is_log: bool) -> tuple[str | None, signal.Signals | None]:
@@ -400,6 +412,7 @@ def _train_loop(run: Run) -> dict[str, Any]:
         while step < tcfg.max_steps:
             is_log = (step + 1) % tcfg.log_every == 0 or step == start_step or step + 1 == tcfg.max_steps
             run.strategy.measure_communication(is_log)
+            run.tensor_parallel.measure_communication(is_log)
             start = _step_mark(run.device)
             loss, norm = run.train_step(step, measure_norm=is_log)
             window.add(start, _step_mark(run.device), is_log)
@@ -498,8 +511,8 @@ def _summary(run: Run, status: str, step: int, first_loss, last_loss, val_loss, 
         "skipped_steps": run.precision.skipped_steps,
         **run.memory_marks, **memory_stats(run.device),
     }
-    if comm:
-        out["comm_ms"] = statistics.median(h["comm_ms"] for h in comm)
-        if "exposed_comm_ms" in comm[0]:
-            out["exposed_comm_ms"] = statistics.median(h["exposed_comm_ms"] for h in comm)
+    for key in ("comm_ms", "exposed_comm_ms", "dp_comm_ms", "dp_exposed_comm_ms", "tp_comm_ms",
+                "tp_exposed_comm_ms"):
+        if comm and key in comm[0]:
+            out[key] = statistics.median(h[key] for h in comm)
     return out

@@ -24,9 +24,10 @@ from core.errors import ConfigError
 from core.planner import relative_error
 
 MEASURED = [("tokens_per_s", "tokens/s"), ("mfu", "MFU"), ("step_time_ms", "step ms"),
-            ("peak_mem_gib", "peak GiB"), ("exposed_comm_ms", "exposed comm ms"), ("final_loss", "final loss")]
+            ("peak_mem_gib", "peak GiB"), ("exposed_comm_ms", "exposed comm ms"),
+            ("tp_exposed_comm_ms", "of it tp ms"), ("final_loss", "final loss")]
 PREDICTED = [("tokens_per_s", "pred tokens/s"), ("step_time_ms", "pred step ms"), ("peak_mem_gib", "pred peak GiB"),
-             ("exposed_comm_ms", "pred exposed comm ms")]
+             ("exposed_comm_ms", "pred exposed comm ms"), ("tp_exposed_comm_ms", "pred tp ms")]
 
 
 def _overrides(summary: dict[str, Any]) -> dict[str, str]:
@@ -121,7 +122,9 @@ def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
     # columns for the keys that vary; a key every point shares is stated once above the table
     swept = [k for k in keys if len({r["swept"].get(k) for r in rows}) > 1] or keys
     header = ["job", "status", *swept]
-    for k, title in MEASURED:
+    # a column no point has a value for (tp time in a sweep without tensor parallelism) is left out
+    measured = [(k, t) for k, t in MEASURED if any(r.get(k) is not None or r.get("pred_" + k) is not None for r in rows)]
+    for k, title in measured:
         header.append(title)
         pred = next((t for pk, t in PREDICTED if pk == k), None)
         if pred:
@@ -130,7 +133,7 @@ def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
     body = []
     for r in rows:
         line = [r["job"], r["status"], *[r["swept"].get(k) for k in swept]]
-        for k, _ in MEASURED:
+        for k, _ in measured:
             line.append(r[k])
             if any(pk == k for pk, _ in PREDICTED):
                 line.append(r["pred_" + k])

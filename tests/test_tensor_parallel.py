@@ -207,6 +207,14 @@ def test_checkpoint_resumes_on_another_mesh_shape(tmp_path):
     step2 = first / "checkpoints" / "step_000002"
     assert (step2 / "dcp").is_dir(), sorted(p.name for p in step2.iterdir())
     whole = _losses(first)
+    # the logged steps time each mesh axis's communication: tp's collectives run inline, all of them exposed
+    from tests.utils import read_metrics
+
+    rows = [r for r in read_metrics(first) if "loss" in r]
+    for r in rows:
+        assert r["tp_comm_ms"] > 0 and r["tp_exposed_comm_ms"] == r["tp_comm_ms"], r
+        assert r["comm_ms"] == r["dp_comm_ms"] + r["tp_comm_ms"], r
+    assert read_summary(first)["tp_comm_ms"] > 0
     allow = "resume_allow_changes=[mesh,world_size]"
     for name, mesh in (("same", ["mesh=dp1_tp2"]), ("dp2", ["mesh=dp2"]), ("single", ["mesh=single"])):
         run_dir = tmp_path / name

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from core.distributed.comm import all_gather_flat, reduce_scatter_flat
+from core.distributed.comm import CommTimer, all_gather_flat, reduce_scatter_flat
 from core.distributed.mesh import ParallelMesh
 from core.errors import ConfigError, require
 from core.model import RMSNorm
@@ -38,46 +38,54 @@ _SEQ = 1  # activations are (B, T, D): the sequence dimension
 
 
 # ---- the communication of the regions, as autograd Functions ---------------------------------------------
-def _all_reduce(x: Tensor, group) -> Tensor:
-    x = x.contiguous()
-    dist.all_reduce(x, group=group)
-    return x
+class TPComm:
+    """The tp group's collectives on (B, T, D) activations, each timed as exposed communication (they run inline:
+    the next matmul needs their result)."""
 
+    def __init__(self, group, world: int, timer: CommTimer) -> None:
+        self.group, self.world, self.timer = group, world, timer
 
-def _all_gather_seq(x: Tensor, group, world: int) -> Tensor:
-    # all_gather_into_tensor concatenates along dim 0: gather (T/tp, B, D) blocks, then move T back
-    local = x.transpose(0, _SEQ).contiguous()
-    out = local.new_empty((local.shape[0] * world, *local.shape[1:]))
-    all_gather_flat(out, local, group=group)
-    return out.transpose(0, _SEQ)
+    def all_reduce(self, x: Tensor, op=dist.ReduceOp.SUM) -> Tensor:
+        x = x.contiguous()
+        with self.timer.blocking():
+            dist.all_reduce(x, op=op, group=self.group)
+        return x
 
+    def gather_seq(self, x: Tensor) -> Tensor:
+        # all_gather_flat concatenates along dim 0: gather (T/tp, B, D) blocks, then move T back
+        local = x.transpose(0, _SEQ).contiguous()
+        out = local.new_empty((local.shape[0] * self.world, *local.shape[1:]))
+        with self.timer.blocking():
+            all_gather_flat(out, local, group=self.group)
+        return out.transpose(0, _SEQ)
 
-def _reduce_scatter_seq(x: Tensor, group, world: int) -> Tensor:
-    full = x.transpose(0, _SEQ).contiguous()
-    out = full.new_empty((full.shape[0] // world, *full.shape[1:]))
-    reduce_scatter_flat(out, full, group=group)
-    return out.transpose(0, _SEQ)
+    def scatter_seq(self, x: Tensor) -> Tensor:
+        full = x.transpose(0, _SEQ).contiguous()
+        out = full.new_empty((full.shape[0] // self.world, *full.shape[1:]))
+        with self.timer.blocking():
+            reduce_scatter_flat(out, full, group=self.group)
+        return out.transpose(0, _SEQ)
 
 
 class CopyToRegion(torch.autograd.Function):
     """f without sequence parallelism: identity forward, all-reduce of the input gradient backward."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        ctx.group = group
+    def forward(ctx, x: Tensor, comm: TPComm) -> Tensor:
+        ctx.comm = comm
         return x
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _all_reduce(grad, ctx.group), None
+        return ctx.comm.all_reduce(grad), None
 
 
 class ReduceFromRegion(torch.autograd.Function):
     """g without sequence parallelism: all-reduce forward (sums the row-parallel partial outputs), identity backward."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        return _all_reduce(x.clone(), group)
+    def forward(ctx, x: Tensor, comm: TPComm) -> Tensor:
+        return comm.all_reduce(x.clone())
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -88,26 +96,26 @@ class GatherSequence(torch.autograd.Function):
     """f with sequence parallelism: all-gather the sequence forward, reduce-scatter it backward."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group, world: int) -> Tensor:
-        ctx.group, ctx.world = group, world
-        return _all_gather_seq(x, group, world)
+    def forward(ctx, x: Tensor, comm: TPComm) -> Tensor:
+        ctx.comm = comm
+        return comm.gather_seq(x)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _reduce_scatter_seq(grad, ctx.group, ctx.world), None, None
+        return ctx.comm.scatter_seq(grad), None
 
 
 class ReduceScatterSequence(torch.autograd.Function):
     """g with sequence parallelism: reduce-scatter the sequence forward, all-gather it backward."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group, world: int) -> Tensor:
-        ctx.group, ctx.world = group, world
-        return _reduce_scatter_seq(x, group, world)
+    def forward(ctx, x: Tensor, comm: TPComm) -> Tensor:
+        ctx.comm = comm
+        return comm.scatter_seq(x)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _all_gather_seq(grad, ctx.group, ctx.world), None, None
+        return ctx.comm.gather_seq(grad), None
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -118,10 +126,9 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     the one-hot target, on this rank's columns."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, target: Tensor, vocab_start: int, group) -> Tensor:
+    def forward(ctx, logits: Tensor, target: Tensor, vocab_start: int, comm: TPComm) -> Tensor:
         logits = logits.float()
-        row_max = logits.max(dim=-1).values
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        row_max = comm.all_reduce(logits.max(dim=-1).values, op=dist.ReduceOp.MAX)
         shifted = logits - row_max.unsqueeze(-1)
         local_v = logits.shape[-1]
         in_shard = (target >= vocab_start) & (target < vocab_start + local_v)
@@ -129,9 +136,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * in_shard
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
-        stats = torch.stack((sum_exp, target_logit))
-        dist.all_reduce(stats, group=group)
-        sum_exp, target_logit = stats[0], stats[1]
+        sum_exp, target_logit = comm.all_reduce(torch.stack((sum_exp, target_logit)))
         loss = sum_exp.log() - target_logit
         exp.div_(sum_exp.unsqueeze(-1))  # softmax on this rank's columns, kept for backward
         ctx.save_for_backward(exp, local_target, in_shard)
@@ -217,13 +222,13 @@ class SequenceParallelRMSNorm(RMSNorm):
     """RMSNorm over this rank's T / tp tokens: its weight enters through `CopyToRegion`, so the weight's gradient
     is summed over tp in backward (each rank's tokens contribute their part)."""
 
-    def __init__(self, norm: RMSNorm, group) -> None:
+    def __init__(self, norm: RMSNorm, comm: TPComm) -> None:
         super().__init__(norm.weight.shape[0], norm.eps)
         self.weight = norm.weight
-        self.group = group
+        self.comm = comm
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.normalize(x, CopyToRegion.apply(self.weight, self.group))
+        return self.normalize(x, CopyToRegion.apply(self.weight, self.comm))
 
 
 def tp_sharded_parameters(model: nn.Module) -> set[int]:
@@ -344,6 +349,22 @@ class TensorParallel:
     def finish_gradients(self, model: nn.Module) -> None:
         """Called once gradients are complete and synchronised, before clipping and the optimizer step."""
 
+    def measure_communication(self, enabled: bool) -> None:
+        """Time the tp collectives of the steps that follow (the trainer turns it on for the steps it logs)."""
+        timer = getattr(self, "timer", None)
+        if timer is not None:
+            if enabled and not timer.enabled:
+                timer.reset()
+            timer.enabled = enabled
+
+    def step_metrics(self) -> dict[str, float]:
+        """The tp axis's communication time of the measured steps (all of it exposed: the regions wait for it)."""
+        timer = getattr(self, "timer", None)
+        if timer is None or not timer.enabled:
+            return {}
+        m = timer.metrics()
+        return {"tp_comm_ms": m["comm_ms"], "tp_exposed_comm_ms": m["exposed_comm_ms"]}
+
 
 class MegatronTensorParallel(TensorParallel):
     """Our tensor parallelism (Megatron-LM): column/row-parallel Linears with conjugate communication Functions,
@@ -369,12 +390,12 @@ class MegatronTensorParallel(TensorParallel):
         super().apply(model, mesh)
         if not self.active:
             return
-        group, world, rank = mesh.group("tp"), mesh.tp, mesh.submesh("tp").get_local_rank()
-        self.group, self.world, self.rank = group, world, rank
+        world, rank = mesh.tp, mesh.submesh("tp").get_local_rank()
+        self.timer = CommTimer(mesh.device_obj, enabled=False)
+        comm = self.comm = TPComm(mesh.group("tp"), world, self.timer)
         sp = self.sequence_parallel
-        enter = (lambda x: GatherSequence.apply(x, group, world)) if sp else (lambda x: CopyToRegion.apply(x, group))
-        leave = (lambda x: ReduceScatterSequence.apply(x, group, world)) if sp else \
-            (lambda x: ReduceFromRegion.apply(x, group))
+        enter = (lambda x: GatherSequence.apply(x, comm)) if sp else (lambda x: CopyToRegion.apply(x, comm))
+        leave = (lambda x: ReduceScatterSequence.apply(x, comm)) if sp else (lambda x: ReduceFromRegion.apply(x, comm))
 
         def enter_hook(module, args):
             return (enter(args[0]), *args[1:])
@@ -397,11 +418,11 @@ class MegatronTensorParallel(TensorParallel):
                 region.register_forward_pre_hook(enter_hook)
                 region.register_forward_hook(leave_hook)
             if sp:
-                block.ln1 = SequenceParallelRMSNorm(block.ln1, group)
-                block.ln2 = SequenceParallelRMSNorm(block.ln2, group)
+                block.ln1 = SequenceParallelRMSNorm(block.ln1, comm)
+                block.ln2 = SequenceParallelRMSNorm(block.ln2, comm)
         model.token_embeddings = VocabParallelEmbedding(model.token_embeddings, rank, world, leave)
         if sp:
-            model.final_norm = SequenceParallelRMSNorm(model.final_norm, group)
+            model.final_norm = SequenceParallelRMSNorm(model.final_norm, comm)
         model.lm_head = ColumnParallelLinear(model.lm_head, rank, world)
         model.lm_head.register_forward_pre_hook(enter_hook)
         self.vocab_start = rank * (cfg.vocab_size // world)
@@ -409,7 +430,7 @@ class MegatronTensorParallel(TensorParallel):
     def loss(self, logits: Tensor, target: Tensor) -> Tensor:
         if not self.active:
             return super().loss(logits, target)
-        return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), target.flatten(), self.vocab_start, self.group)
+        return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), target.flatten(), self.vocab_start, self.comm)
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------------
