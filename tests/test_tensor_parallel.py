@@ -35,7 +35,11 @@ DP2_TP2 = {  # mesh=dp2_tp2: 2 data-parallel groups of 2 tensor-parallel ranks
                             "parallelism=zero1"],
     "megatron_sp_zero1_rs": ["tensor_parallel=megatron", "parallelism=zero1_rs"],
     "megatron_sp_torch_ddp": ["tensor_parallel=megatron", "parallelism=torch_ddp"],
+    "megatron_sp_fsdp": ["tensor_parallel=megatron", "parallelism=fsdp"],  # 2D: our FSDP over dp x our TP
     "dtensor_sp_torch_fsdp2": ["tensor_parallel=dtensor", "parallelism=torch_fsdp2"],
+    # HSDP x TP: FSDP2 replicated over dp_replicate, sharded over dp_shard (1 here), TP inside
+    "dtensor_sp_torch_fsdp2_hsdp": ["tensor_parallel=dtensor", "parallelism=torch_fsdp2", "mesh.dp_shard=1",
+                                    "mesh.dp_replicate=2"],
 }
 
 
@@ -83,7 +87,7 @@ def _worker(rank: int, world: int, configs: dict, mesh: str, ref_path: str, tmp:
         for step, (a, b) in enumerate(zip(out["norms"], ref["norms"])):
             assert abs(a - b) <= 1e-4 * abs(b), f"{name}: step {step + 1} grad norm {a} != one process's {b}"
         strategy = name.split("_", 2)[-1] if name.count("_") >= 2 else "none"
-        if strategy in ("zero1_rs", "torch_fsdp2"):
+        if strategy.startswith(("zero1_rs", "fsdp", "torch_fsdp2")):
             continue  # gradients sharded over dp too (owned / FSDP2's strided shards): the norms cover them
         checked = 0
         for pname, full in ref["grads"].items():
@@ -170,7 +174,7 @@ def test_planner_tensor_parallel_terms_match_a_real_step(tmp_path):
 @pytest.mark.parametrize("overrides, key, words", [
     (["mesh.tp=3"], "mesh.tp", "does not divide model.n_heads=4"),
     (["mesh.tp=2", "data.seq_len=31"], "tensor_parallel.sequence_parallel", "does not divide"),
-    (["mesh.tp=2", "parallelism=fsdp", "mesh.dp_shard=2"], "parallelism", "does not compose"),
+    (["mesh.tp=2", "parallelism=torch_fsdp2", "mesh.dp_shard=2"], "parallelism", "does not compose"),
     (["mesh.tp=2", "tensor_parallel=dtensor", "parallelism=ddp_bucketed", "mesh.dp_shard=2"], "parallelism",
      "does not compose"),
     (["mesh.tp=2", "parallelism=zero1", "checkpoint.every=2"], "checkpoint", "not implemented yet"),

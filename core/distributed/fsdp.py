@@ -502,9 +502,13 @@ class FSDPStrategy(Strategy):
         group = mesh.group("dp")
         rs_group = None
         if self.separate_reduce_scatter and group_size(group) > 1:
-            # the same ranks again (pure data parallelism: every rank calls new_group, as it must)
-            rs_group = dist.new_group(ranks=dist.get_process_group_ranks(group),
-                                      timeout=datetime.timedelta(seconds=mesh.timeout_s))
+            # the same ranks again; every rank takes part in creating every dp group's copy, as new_group requires
+            # (under tensor parallelism there is one dp group per tp rank)
+            mine = dist.get_process_group_ranks(group)
+            for ranks in mesh.dp_group_ranks():
+                made = dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=mesh.timeout_s))
+                if ranks == mine:
+                    rs_group = made
         self.wrapped = FullyShardedDataParallel(model, group, timer=self.timer, reduce_scatter_group=rs_group,
                                                 device=mesh.device_obj, **self.kwargs)
         if on_meta:
@@ -524,8 +528,14 @@ class FSDPStrategy(Strategy):
             sq += g.float().pow(2).sum()
         if w.world > 1:
             dist.all_reduce(sq, group=w.process_group)
-        for g in repl:  # identical on every rank after the all-reduce
-            sq += g.float().pow(2).sum()
+        tp = self.mesh.tp
+        for g in repl:  # identical on every dp rank after the all-reduce, and on every tp rank (the norms)
+            sq += g.float().pow(2).sum() / tp
+        if tp > 1:
+            # the units are tensor-parallel parts too (every Linear and the embedding are split over tp): their
+            # squares add up over tp, and the replicated ones were counted 1/tp on each tp rank
+            sq = sq.clone()
+            dist.all_reduce(sq, group=self.mesh.group("tp"))
         norm = sq.sqrt()
         if max_norm > 0 and math.isfinite(max_norm):
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -1,8 +1,9 @@
 """The named device mesh every run has, single-process runs included.
 
 Axes follow torchtitan: pp, dp_replicate, dp_shard, cp, tp, ep (degree 1 where unused).
-World size is pp * dp_replicate * dp_shard * cp * tp. The data-parallel axes (dp_replicate, dp_shard) and tensor
-parallelism (tp, `core.distributed.tensor_parallel`) are implemented: a degree above 1 on any other axis is refused
+World size is pp * dp_replicate * dp_shard * cp * tp. The data-parallel axes (dp_replicate, dp_shard), tensor
+parallelism (tp, `core.distributed.tensor_parallel`) and pipeline parallelism (pp, `core.distributed.pipeline`) are
+implemented: a degree above 1 on any other axis is refused
 here, before anything runs, rather than trained silently as plain data parallelism.
 One object knows the degrees and hands out sub-meshes and groups; nothing else
 recomputes them.
@@ -24,7 +25,7 @@ from core.distributed.heartbeat import Heartbeat, RankStalledError
 from core.errors import ConfigError, require
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
-NOT_IMPLEMENTED_AXES = ("pp", "cp", "ep")  # no strategy shards over these yet
+NOT_IMPLEMENTED_AXES = ("cp", "ep")  # no strategy shards over these yet
 _RANK_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
@@ -118,7 +119,8 @@ class ParallelMesh:
         for axis in NOT_IMPLEMENTED_AXES:
             n = getattr(self, axis)
             require(n == 1, f"mesh.{axis}", f"{axis}={n}: this parallel axis is not implemented yet",
-                    f"set mesh.{axis}=1 and use mesh.dp_shard / mesh.dp_replicate (data) or mesh.tp (tensor parallelism)")
+                    f"set mesh.{axis}=1 and use mesh.dp_shard / mesh.dp_replicate (data), mesh.tp (tensor) or "
+                    "mesh.pp (pipeline parallelism)")
         self._device_mesh = None
         self._flat: dict = {}
         self._rank = 0
@@ -141,7 +143,7 @@ class ParallelMesh:
     def describe(self) -> str:
         """The mesh as its preset is named (dp1, dp2, ...; conf/mesh/), or its degrees where no preset matches."""
         name = f"dp{self.dp_shard}" if self.dp_replicate == 1 else f"dp_replicate{self.dp_replicate}xdp_shard{self.dp_shard}"
-        return name + (f"_tp{self.tp}" if self.tp > 1 else "")
+        return name + (f"_tp{self.tp}" if self.tp > 1 else "") + (f"_pp{self.pp}" if self.pp > 1 else "")
 
     # ---- devices -------------------------------------------------------------
     def device_type(self) -> str:
@@ -252,6 +254,14 @@ class ParallelMesh:
         """Process group of one axis; None in a single-process run."""
         sub = self.submesh(name)
         return None if sub is None else sub.get_group()
+
+    def dp_group_ranks(self) -> list[list[int]]:
+        """The global ranks of every data-parallel group (one per position on the other axes), in one order on
+        every rank: what each rank must pass to `dist.new_group`, once per group, to make a copy of its own."""
+        if self._device_mesh is None:
+            return [[0]]
+        grid = self._device_mesh.mesh  # (pp, dp_replicate, dp_shard, cp, tp)
+        return grid.permute(0, 3, 4, 1, 2).reshape(-1, self.dp_size).tolist()
 
     @property
     def dp_rank(self) -> int:

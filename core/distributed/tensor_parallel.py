@@ -373,7 +373,7 @@ class MegatronTensorParallel(TensorParallel):
 
     name = "megatron"
     composes_with = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed", "zero1", "zero1_rs",
-                     "torch_ddp")
+                     "torch_ddp", "fsdp")
     # the whole-tensor strategies: `TensorParallelCheckpoint` saves their state with its tp placements
     checkpoints_with = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed", "torch_ddp")
 
