@@ -28,7 +28,6 @@ import torch.distributed as dist
 from torch import nn
 
 from core.distributed.mesh import ParallelMesh
-from core.distributed.tensor_parallel import tp_sharded_parameters
 from core.errors import require
 
 OptimizerFactory = Callable[[Iterable[dict[str, Any]]], torch.optim.Optimizer]
@@ -83,7 +82,8 @@ class ModelLayout:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 params.append(p)
-        blocks = list(getattr(model, "blocks", []))
+        # a pipeline stage's blocks: those it holds (the others are parameter-less stand-ins)
+        blocks = [b for b in getattr(model, "blocks", []) if any(True for _ in b.parameters())]
         return cls(tuple(p.numel() for p in params), tuple(id(p) in linear for p in params), len(blocks),
                    sum(p.numel() for p in blocks[0].parameters()) if blocks else 0,
                    model.token_embeddings.weight.numel() if hasattr(model, "token_embeddings") else 0)
@@ -191,11 +191,13 @@ class Strategy:
         params = [p for p in model.parameters() if p.grad is not None]
         if not params:
             return torch.zeros(())
-        if self.mesh.tp == 1:
+        if self.mesh.tp == 1 and self.mesh.pp == 1:
             return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
         sharded = tp_sharded_parameters(model)
+        # under pipeline parallelism each stage holds other parameters: their squares are summed over pp
         return clip_grads_([p.grad for p in params], [id(p) in sharded for p in params], max_norm,
-                           self.mesh.group("tp"), None, self.mesh.tp)
+                           self.mesh.group("tp"), None, self.mesh.tp,
+                           pp_group=self.mesh.group("pp") if self.mesh.pp > 1 else None)
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Model and optimizer state to checkpoint (see `checkpoint_format`)."""
@@ -232,13 +234,25 @@ class Strategy:
         return memory_breakdown(model.parameters(), optimizer)
 
 
+def tp_sharded_parameters(model: nn.Module) -> set[int]:
+    """ids of the parameters of `model` that are one rank's part of a weight split over tp: those of our split
+    modules (they carry `shard_of_full`) and DTensors with a Shard placement."""
+    out = {id(m.weight) for m in model.modules() if hasattr(m, "shard_of_full")}
+    for p in model.parameters():
+        placements = getattr(p, "placements", None)
+        if placements is not None and any(pl.is_shard() for pl in placements):
+            out.add(id(p))
+    return out
+
+
 def clip_grads_(grads: list[torch.Tensor], tp_sharded: list[bool], max_norm: float, tp_group, dp_group,
-                tp: int) -> torch.Tensor:
+                tp: int, pp_group=None) -> torch.Tensor:
     """Clip `grads` in place to a global norm of `max_norm` (<= 0 or inf: only measure); return the norm.
 
     `grads` are this rank's parts: a tp-sharded gradient is one of tp disjoint parts of its weight, any other is
     the same on every tp rank, so it counts 1/tp on each before the squares are summed over the tp group.
-    With `dp_group`, the gradients are also disjoint parts over the data-parallel ranks (ZeRO / FSDP shards)."""
+    With `dp_group`, the gradients are also disjoint parts over the data-parallel ranks (ZeRO / FSDP shards);
+    with `pp_group`, over the pipeline stages (each holds its own blocks)."""
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     device = local[0].device if local else torch.device("cpu")
     sq = torch.zeros((), device=device, dtype=torch.float32)
@@ -249,6 +263,8 @@ def clip_grads_(grads: list[torch.Tensor], tp_sharded: list[bool], max_norm: flo
         dist.all_reduce(sq, group=tp_group)
     if dp_group is not None:
         dist.all_reduce(sq, group=dp_group)
+    if pp_group is not None:
+        dist.all_reduce(sq, group=pp_group)
     norm = sq.sqrt()
     if max_norm > 0 and math.isfinite(max_norm):
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from core.distributed.comm import CommTimer, all_gather_flat, reduce_scatter_flat
 from core.distributed.mesh import ParallelMesh
+from core.distributed.strategy import CollectiveSpec
 from core.errors import ConfigError, require
 from core.model import RMSNorm
 
@@ -231,17 +232,6 @@ class SequenceParallelRMSNorm(RMSNorm):
         return self.normalize(x, CopyToRegion.apply(self.weight, self.comm))
 
 
-def tp_sharded_parameters(model: nn.Module) -> set[int]:
-    """ids of the parameters of `model` that are one rank's part of a weight split over tp: those of our split
-    modules (they carry `shard_of_full`) and DTensors with a Shard placement."""
-    out = {id(m.weight) for m in model.modules() if hasattr(m, "shard_of_full")}
-    for p in model.parameters():
-        placements = getattr(p, "placements", None)
-        if placements is not None and any(pl.is_shard() for pl in placements):
-            out.add(id(p))
-    return out
-
-
 # ---- the plugins ------------------------------------------------------------------------------------------
 class TensorParallel:
     """Base of the `tensor_parallel` plugins. With `mesh.tp == 1` every plugin leaves the model as it is.
@@ -329,8 +319,6 @@ class TensorParallel:
         Activation calls move the full (B, T, D) tensor (`activation_bytes` per element)."""
         if mesh.tp == 1:
             return []
-        from core.distributed.strategy import CollectiveSpec
-
         m, n_layers, rec = micro_steps, model_cfg.n_layers, recomputed_blocks
         btd = micro_batch * seq_len * model_cfg.d_model * activation_bytes
         loss = CollectiveSpec("all_reduce", "loss statistics", 3 * m * micro_batch * seq_len * 4, 2 * m, ("tp",))

@@ -41,8 +41,7 @@ from core.distributed.comm import (CommTimer, all_gather_flat, group_rank, group
 from core.distributed.ddp import BucketedDDP, DataParallel, _compute_dtype, bucketed_all_reduce_profile, unwrap
 from core.distributed.mesh import ParallelMesh
 from core.distributed.strategy import (DP_AXES, CollectiveSpec, ModelLayout, Strategy, StrategyProfile, axes_degree,
-                                       clip_grads_, materialize)
-from core.distributed.tensor_parallel import tp_sharded_parameters
+                                       clip_grads_, materialize, tp_sharded_parameters)
 from core.errors import require
 
 
