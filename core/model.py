@@ -191,18 +191,24 @@ class TransformerLM(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        T = tokens.shape[-1]
+        """Logits of `tokens`; a pipeline stage (some modules `Dropped`) maps its input to its output instead:
+        a later stage takes the hidden state (B, T, D), an earlier one returns it."""
+        T = tokens.shape[1]
         require(T <= self.cfg.context_length, "data.seq_len",
                 f"sequence of {T} tokens is longer than model.context_length={self.cfg.context_length}",
                 "set data.seq_len <= model.context_length (or raise model.context_length)")
         positions = torch.arange(T, device=tokens.device)
-        x = self.token_embeddings(tokens)  # (B, T, D)
+        x = tokens if isinstance(self.token_embeddings, Dropped) else self.token_embeddings(tokens)  # (B, T, D)
         for i, block in enumerate(self.blocks):
+            if isinstance(block, Dropped):
+                continue
             with nvtx_range(f"block{i}"):
                 if block.activation_checkpoint and torch.is_grad_enabled():
                     x = checkpoint(block, x, positions, use_reentrant=False)
                 else:
                     x = block(x, positions)
+        if isinstance(self.lm_head, Dropped):
+            return x
         return self.lm_head(self.final_norm(x))  # (B, T, V)
 
     @torch.no_grad()
@@ -221,8 +227,9 @@ class TransformerLM(nn.Module):
         `draw(t)` fills `t`, a tensor shaped like the module's full (unsplit) weight on the generator's device,
         with that weight's values; `init_weight` must call it exactly once per module, in the order it is called
         (the generator is sequential), and store the module's part: a caller can allocate, shard and free one
-        full weight at a time. Default: `init_part` (in place, or this rank's tensor-parallel part). Norms and
-        RoPE tables are reset in place, so they must be materialised before. The generator lives on the device of
+        full weight at a time. A `Dropped` weight (another pipeline stage holds it) is drawn and thrown away, so
+        the weights after it still get one process's values. Default: `init_part` (in place, or this rank's
+        tensor-parallel part). Norms and RoPE tables are reset in place, so they must be materialised before. The generator lives on the device of
         `lm_head.weight` (the CPU while that is on the meta device)."""
         init_weight = init_weight if init_weight is not None else init_part
         gen = None
@@ -232,12 +239,39 @@ class TransformerLM(nn.Module):
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            drawn_elsewhere = isinstance(module, Dropped) and module.full_weight_shape is not None
+            if isinstance(module, (nn.Linear, nn.Embedding)) or drawn_elsewhere:
                 s = out_std if name.endswith(("output_proj", "ffn.w2")) else std
                 init_weight(module, lambda t, s=s: nn.init.trunc_normal_(t, mean=0.0, std=s, a=-3 * s, b=3 * s,
                                                                          generator=gen))
             elif isinstance(module, (RMSNorm, RotaryEmbedding)):
                 module.reset_parameters()
+
+
+class Dropped(nn.Module):
+    """Stands in for a module that another pipeline stage holds: no parameters, but the same child names and
+    order, and one `full_weight_shape` per Linear / Embedding it replaces, so that `init_weights_each` still
+    consumes that weight's draws in order (the generator is sequential) and this stage's weights come out as
+    one process's. `weight` is an empty buffer: it moves with `to_empty` and tells the generator's device."""
+
+    def __init__(self, full_weight_shape: tuple[int, ...] | None = None) -> None:
+        super().__init__()
+        self.full_weight_shape = full_weight_shape
+        self.register_buffer("weight", torch.empty(0), persistent=False)
+
+    @classmethod
+    def like(cls, module: nn.Module) -> "Dropped":
+        """A stand-in for `module` and all its children (Linear / Embedding weights become draw-only slots)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            return cls(tuple(module.weight.shape))
+        out = cls()
+        for name, child in module.named_children():
+            out.add_module(name, cls.like(child))
+        return out
+
+    def shard_of_full(self, full: Tensor) -> Tensor:
+        """Nothing of the drawn weight is kept here."""
+        return full.flatten()[:0]
 
 
 def init_part(module: nn.Module, init: Callable[[Tensor], object]) -> None:

@@ -2,7 +2,8 @@
 
     model built on the meta device (no memory)
     1. tensor / sequence parallelism over mesh.tp       (the `tensor_parallel` plugin, shards in place)
-       -- pipeline split, context and expert parallelism plug in here, in that order --
+    1b. pipeline split over mesh.pp                       (the `pipeline` plugin: this rank's stage only)
+       -- context and expert parallelism plug in here, in that order --
     2. activation checkpointing                           (marks blocks)
     3. torch.compile                                      (in place: parameter names stay the eager model's)
     4. the data-parallel wrap                             (the `parallelism` strategy: DDP family, ZeRO-1, FSDP, ...)
@@ -22,6 +23,7 @@ from torch import nn
 
 from core import activation_checkpointing
 from core.distributed.mesh import ParallelMesh
+from core.distributed.pipeline import PipelineParallel
 from core.distributed.strategy import Strategy
 from core.distributed.tensor_parallel import TensorParallel
 from core.model import TransformerLM
@@ -36,9 +38,12 @@ class Parallelized:
 
 
 def parallelize(model: TransformerLM, mesh: ParallelMesh, tensor_parallel: TensorParallel, strategy: Strategy,
-                checkpoint_every: int, compile_model: bool, seed: int) -> Parallelized:
+                checkpoint_every: int, compile_model: bool, seed: int,
+                pipeline: PipelineParallel | None = None) -> Parallelized:
     """Apply every parallelism to a meta-device `model` on an initialised `mesh`, in the order above."""
     tensor_parallel.apply(model, mesh)
+    if pipeline is not None:
+        pipeline.apply(model, mesh)
     checkpointed = activation_checkpointing.apply(model, checkpoint_every)
     if compile_model:
         model.compile()

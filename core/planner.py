@@ -348,6 +348,8 @@ def ring_ms(kind: str, nbytes: float, p: int, busbw_gbps: float, latency_us: flo
     reduce-scatter (p-1)/p of the full buffer; bus bandwidth as nccl-tests reports it."""
     if p <= 1:
         return 0.0
+    if kind == "send_recv":  # point to point (pipeline stages): each byte crosses one link once
+        return latency_us / 1e3 + nbytes / (busbw_gbps * 1e9) * 1e3
     factor = 2 * (p - 1) / p if kind == "all_reduce" else (p - 1) / p
     return latency_us / 1e3 + factor * nbytes / (busbw_gbps * 1e9) * 1e3
 
@@ -359,14 +361,19 @@ def _strategy(cfg: DictConfig) -> Strategy:
     return instantiate(cfg.parallelism)
 
 
-def model_layout(m) -> ModelLayout:
-    """The parameter layout of `TransformerLM(m)`, read off a meta-device instance (no memory)."""
+def model_layout(m, pp: int = 1) -> ModelLayout:
+    """The parameter layout of `TransformerLM(m)`, read off a meta-device instance (no memory); with `pp` > 1, of
+    its last pipeline stage (its blocks, the final norm and the LM head: the largest stage)."""
     import torch
 
+    from core.distributed.pipeline import split_stage
     from core.model import TransformerLM
 
     with torch.device("meta"):
-        return ModelLayout.of(TransformerLM(m))
+        model = TransformerLM(m)
+        if pp > 1:
+            split_stage(model, pp, pp - 1)
+        return ModelLayout.of(model)
 
 
 @dataclass
@@ -386,6 +393,16 @@ class Job:
     checkpointed_blocks: int
     compiled: bool
     tensor_parallel: Any = None  # core.distributed.tensor_parallel.TensorParallel: how mesh.tp splits the model
+    pipeline: Any = None       # core.distributed.pipeline.PipelineParallel under mesh.pp > 1 (micro_batch, grad_accum:
+                               # its micro-batches' rows and count)
+
+    @property
+    def stage_model(self):
+        """The model config one pipeline stage runs (its share of the blocks; the model itself at pp=1)."""
+        import dataclasses
+
+        pp = self.mesh.pp
+        return self.model if pp == 1 else dataclasses.replace(self.model, n_layers=self.model.n_layers // pp)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -420,12 +437,21 @@ def read_job(cfg: DictConfig) -> Job:
     tf32 = bool(OmegaConf.select(cfg, "precision.tf32", default=True))
     every = int(OmegaConf.select(cfg, "activation_checkpointing", default=0) or 0)
     tensor_parallel = instantiate(cfg.tensor_parallel) if "tensor_parallel" in cfg else None
-    return Job(model=m, mesh=mesh, strategy=_strategy(cfg), layout=model_layout(m).split_over_tp(mesh.tp),
-               global_batch=gbs,
-               micro_batch=gbs // (dp * accum), seq_len=seq, grad_accum=accum, precision=prec,
+    pipeline, micro = None, gbs // (dp * accum)
+    if mesh.pp > 1 and "pipeline" in cfg:
+        # the pipeline's micro-batches stand in for accumulation micro-steps (grad_accum_steps is 1 under pp)
+        pipeline = instantiate(cfg.pipeline)
+        accum = int(pipeline.microbatches)
+        require(micro % accum == 0, "pipeline.microbatches", f"{accum} micro-batches do not split {micro} sequences",
+                f"choose pipeline.microbatches dividing {micro}")
+        micro //= accum
+    return Job(model=m, mesh=mesh, strategy=_strategy(cfg),
+               layout=model_layout(m, mesh.pp if pipeline else 1).split_over_tp(mesh.tp), global_batch=gbs,
+               micro_batch=micro, seq_len=seq, grad_accum=accum, precision=prec,
                compute_dtype=prec if prec in ("bf16", "fp16") else ("tf32" if tf32 else "fp32"),
                checkpointed_blocks=checkpointed_count(m.n_layers, every),
-               compiled=bool(OmegaConf.select(cfg, "compile", default=False)), tensor_parallel=tensor_parallel)
+               compiled=bool(OmegaConf.select(cfg, "compile", default=False)), tensor_parallel=tensor_parallel,
+               pipeline=pipeline)
 
 
 def _per_rank(n: int, ways: int) -> int:
@@ -451,9 +477,12 @@ def predict_memory(job: Job, prof: StrategyProfile, cfg: DictConfig) -> MemoryPr
     opt_b = st_bytes * opt_local
     every = int(OmegaConf.select(cfg, "activation_checkpointing", default=0) or 0)
     tp, sp = job.mesh.tp, job.sequence_parallel
-    act_full = activation_bytes(m, mb, seq, job.autocast, 0, tp, sp)
-    act_ck = activation_bytes(m, mb, seq, job.autocast, checkpointed_count(m.n_layers, every or 1), tp, sp)
-    act = activation_bytes(m, mb, seq, job.autocast, job.checkpointed_blocks, tp, sp)
+    # a pipeline stage saves its blocks' activations for every micro-batch in flight (GPipe m, 1F1B at most p)
+    sm, held = job.stage_model, _in_flight(job)
+    act_full = held * activation_bytes(sm, mb, seq, job.autocast, 0, tp, sp)
+    act_ck = held * activation_bytes(sm, mb, seq, job.autocast, checkpointed_count(sm.n_layers, every or 1), tp, sp)
+    act = held * activation_bytes(sm, mb, seq, job.autocast, checkpointed_count(sm.n_layers, every), tp, sp) \
+        if job.pipeline is not None else activation_bytes(m, mb, seq, job.autocast, job.checkpointed_blocks, tp, sp)
     BTV = mb * seq * m.vocab_size // tp  # vocabulary-parallel logits
     loss_transient = (2 if job.autocast else 0) * BTV + 4 * BTV  # logits (compute dtype) + their fp32 copy
     # autocast's low-precision weight copies: the cache holds every cast weight until autocast exits
@@ -481,11 +510,30 @@ def predict_memory(job: Job, prof: StrategyProfile, cfg: DictConfig) -> MemoryPr
         activations_no_ckpt=act_full, activations_with_ckpt=act_ck)
 
 
+def _in_flight(job: Job) -> int:
+    if job.pipeline is None:
+        return 1
+    from core.distributed.pipeline import in_flight
+
+    return in_flight(job.pipeline.schedule, job.mesh.pp, job.grad_accum)
+
+
+def pipeline_bubble(job: Job) -> float:
+    """The idle share of a step of GPipe / 1F1B with equal stages, (p-1)/(m+p-1); 0 without a pipeline."""
+    if job.pipeline is None:
+        return 0.0
+    from core.distributed.pipeline import bubble_fraction
+
+    return bubble_fraction(job.mesh.pp, job.grad_accum)
+
+
 def predict_communication(job: Job, prof: StrategyProfile, spec: Optional[DeviceSpec]) -> list[Collective]:
     """The strategy's and the tensor parallelism's collectives per step, each timed on a ring when the device's
     bandwidths are known."""
     colls = []
-    for c in list(prof.collectives) + tensor_parallel_collectives(job):
+    p2p = [] if job.pipeline is None else job.pipeline.collectives(job.mesh, job.model, job.micro_batch * job.grad_accum,
+                                                                    job.seq_len)
+    for c in list(prof.collectives) + tensor_parallel_collectives(job) + p2p:
         ranks = axes_degree(job.mesh, c.axes)
         coll = Collective(c.name, c.what, c.bytes_per_step, c.calls, ranks, overlappable=c.overlappable,
                           axes=tuple(c.axes))
@@ -543,6 +591,10 @@ def predict_time(job: Job, prof: StrategyProfile, colls: list[Collective], spec:
               + 12 * _per_rank(N, prof.shard_degree(job.mesh, "grads"))) / bw * 1e3  # step + clip (norm, scale)
     kernels = m.n_layers * (170 if not job.compiled else 40) * accum + 50
     floor_ms = kernels * spec.kernel_floor_us / 1e3
+    if job.pipeline is not None:
+        # a stage runs 1/pp of every micro-batch's layers, and waits the bubble: busy m of m + p - 1 slots
+        stretch = 1 / job.mesh.pp / (1 - pipeline_bubble(job))
+        matmul_ms, attn_ms, elem_ms, floor_ms = (x * stretch for x in (matmul_ms, attn_ms, elem_ms, floor_ms))
     compute_ms = matmul_ms + attn_ms + elem_ms + opt_ms + floor_ms + prof.copy_bytes_per_step / bw * 1e3
     comm_ms = sum(c.ms for c in colls)
     # an overlapped collective runs beside compute: the compute stream waits only for what compute
@@ -560,7 +612,8 @@ def predict_time(job: Job, prof: StrategyProfile, colls: list[Collective], spec:
             exposed += c.ms
     return {"matmul_ms": matmul_ms, "attention_ms": attn_ms, "elementwise_ms": elem_ms, "optimizer_ms": opt_ms,
             "kernel_floor_ms": floor_ms, "compute_ms": compute_ms, "comm_ms": comm_ms, "exposed_comm_ms": exposed,
-            "overlap_slowdown_ms": slowdown, "step_ms": compute_ms + exposed + slowdown}
+            "overlap_slowdown_ms": slowdown, "step_ms": compute_ms + exposed + slowdown,
+            **({"pp_bubble_fraction": pipeline_bubble(job)} if job.pipeline is not None else {})}
 
 
 def plan(cfg: DictConfig) -> Plan:
@@ -597,6 +650,10 @@ def plan(cfg: DictConfig) -> Plan:
                      "(planner.device_overrides can supply them)")
     else:
         notes.append(dev_note)
+    if job.pipeline is not None:
+        notes.append(f"pipeline: {mesh.pp} stages, {job.pipeline.schedule}, {job.grad_accum} micro-batches of "
+                     f"{job.micro_batch} sequences: bubble (p-1)/(m+p-1) = {pipeline_bubble(job):.2f}; memory is the "
+                     f"last stage's, activations of {_in_flight(job)} micro-batches in flight")
     if job.autocast and prof.autocast_weight_copies:
         notes.append("autocast keeps a bf16 copy of every linear weight until its backward "
                      f"({2 * job.linear_numel / GIB:.2f} GiB)")

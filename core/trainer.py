@@ -3,7 +3,7 @@
 `train(cfg)` builds every plugin from the composed config (`hydra.utils.instantiate`
 on each group's `_target_`), then trains, benchmarks or profiles. The order of
 assembly is the documentation: model on the meta device -> the parallelize step (core/parallelize.py: tensor
-parallelism -> activation checkpointing -> compile -> strategy, which materialises this rank's shards) ->
+parallelism -> pipeline stage split -> activation checkpointing -> compile -> strategy, which materialises this rank's shards) ->
 optimizer -> resume.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ from core import stop
 from core.checkpoint import Checkpointer
 from core.data import TokenSource
 from core.distributed.mesh import ParallelMesh
+from core.distributed.pipeline import PipelineParallel
 from core.distributed.strategy import Strategy
 from core.distributed.tensor_parallel import TensorParallel
 from core.errors import require
@@ -62,6 +63,7 @@ class Run:
     local_batch: int                # sequences per rank per micro-step
     attention: str                  # the attention implementation's name (flash_triton, sdpa[cudnn], ...)
     tensor_parallel: TensorParallel  # the model's loss goes through it (vocabulary-parallel under tp > 1)
+    pipeline: PipelineParallel      # under pp > 1 it runs each step's micro-batches over the stages
     memory_marks: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -80,7 +82,10 @@ class Run:
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of one micro-batch, forward only (for a backward, call it inside the
-        tensor-parallel loss context, as `forward_backward` does)."""
+        tensor-parallel loss context, as `forward_backward` does). Under pipeline parallelism the batch goes
+        through every stage and each rank gets the loss."""
+        if self.pipeline.active:
+            return self.pipeline.loss(self, x, y)
         with self.tensor_parallel.loss_context():
             return self._loss(x, y)
 
@@ -90,7 +95,10 @@ class Run:
         return self.tensor_parallel.loss(logits, y)
 
     def forward_backward(self, step: int) -> torch.Tensor:
-        """All micro-steps of one optimizer step: returns this rank's mean loss (detached)."""
+        """All micro-steps of one optimizer step: returns this rank's mean loss (detached). Under pipeline
+        parallelism the pipeline plugin runs the step's micro-batches over the stages."""
+        if self.pipeline.active:
+            return self.pipeline.forward_backward(self, step)
         accum = self.cfg.train.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for micro in range(accum):
@@ -225,11 +233,13 @@ def build(cfg: DictConfig, mesh: ParallelMesh | None = None) -> Run:
     attention = instantiate(cfg.attention_impl)
     tensor_parallel: TensorParallel = instantiate(cfg.tensor_parallel)
     tensor_parallel.validate(mesh, model_cfg, data.seq_len, strategy.name)
+    pipeline: PipelineParallel = instantiate(cfg.pipeline)
+    pipeline.validate(mesh, model_cfg, cfg, strategy.name)
     with torch.device("meta"):
         model = TransformerLM(model_cfg, attention)
     reset_peak_memory(mesh.device_obj)
     parallel = parallelize(model, mesh, tensor_parallel, strategy, cfg.activation_checkpointing, bool(cfg.compile),
-                           int(cfg.seed))
+                           int(cfg.seed), pipeline)
     wrapped, n_ckpt = parallel.module, parallel.checkpointed_blocks
     marks = {"after_model_init_gib": peak_memory_gib(mesh.device_obj)}
 
@@ -244,7 +254,7 @@ def build(cfg: DictConfig, mesh: ParallelMesh | None = None) -> Run:
     tokens = cfg.train.batch_size * data.seq_len
     flops = FlopCounter(per_token * tokens, (per_token + recompute) * tokens, peak, source, mesh.world_size)
     return Run(cfg, mesh, strategy, precision, model_cfg, wrapped, model, optimizer, schedule, data, flops,
-               run_dir, local_batch, attention.name, tensor_parallel, marks)
+               run_dir, local_batch, attention.name, tensor_parallel, pipeline, marks)
 
 
 def _build_loggers(cfg: DictConfig, is_main: bool) -> Logger:
@@ -346,7 +356,7 @@ def _log_record(run: Run, step: int, loss: float, norm: float | None, step_s: fl
             "step_time_ms": step_s * 1e3, "tokens_per_s": run.tokens_per_step / step_s,
             "mfu": run.flops.mfu(step_s), "hfu": run.flops.hfu(step_s),
             "peak_mem_gib": peak_memory_gib(run.device), "skipped_steps": run.precision.skipped_steps,
-            **_comm_metrics(run)}
+            **_comm_metrics(run), **run.pipeline.step_metrics()}
 
 
 def _comm_metrics(run: Run) -> dict[str, float]:
@@ -413,6 +423,7 @@ def _train_loop(run: Run) -> dict[str, Any]:
             is_log = (step + 1) % tcfg.log_every == 0 or step == start_step or step + 1 == tcfg.max_steps
             run.strategy.measure_communication(is_log)
             run.tensor_parallel.measure_communication(is_log)
+            run.pipeline.measure_communication(is_log)
             start = _step_mark(run.device)
             loss, norm = run.train_step(step, measure_norm=is_log)
             window.add(start, _step_mark(run.device), is_log)
@@ -515,4 +526,7 @@ def _summary(run: Run, status: str, step: int, first_loss, last_loss, val_loss, 
                 "tp_exposed_comm_ms"):
         if comm and key in comm[0]:
             out[key] = statistics.median(h[key] for h in comm)
+    bubbles = [h["pp_bubble_fraction"] for h in history if "pp_bubble_fraction" in h]
+    if bubbles:  # rank 0's measured pipeline bubble (the first stage's), median of the logged steps
+        out["pp_bubble_fraction"] = statistics.median(bubbles[1:] or bubbles)
     return out

@@ -106,7 +106,7 @@ def check_complete(cfg: DictConfig) -> None:
 
 def validate(cfg: DictConfig, check_devices: bool = True) -> ParallelMesh:
     """Every check that needs no process group: values given, model, mesh vs devices, strategy vs mesh, batch split,
-    tensor parallelism vs model and strategy."""
+    tensor parallelism vs model and strategy, pipeline parallelism vs model, batch and strategy."""
     from core.trainer import validate_batch
 
     check_complete(cfg)
@@ -124,6 +124,7 @@ def validate(cfg: DictConfig, check_devices: bool = True) -> ParallelMesh:
     tensor_parallel.validate(mesh, instantiate(cfg.model), int(cfg.data.seq_len), strategy.name)
     wants_checkpoints = bool(cfg.checkpoint.every or cfg.checkpoint.at_end or cfg.resume)
     tensor_parallel.validate_checkpointing(mesh, strategy.name, wants_checkpoints)
+    instantiate(cfg.pipeline).validate(mesh, instantiate(cfg.model), cfg, strategy.name)
     return mesh
 
 

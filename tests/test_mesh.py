@@ -14,7 +14,7 @@ from core.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("axis", ["pp", "cp", "ep"])
+@pytest.mark.parametrize("axis", ["cp", "ep"])
 def test_unimplemented_axes_are_refused(axis):
     with pytest.raises(ConfigError) as e:
         ParallelMesh(dp_shard=2, **{axis: 2})
@@ -34,6 +34,15 @@ def test_tensor_parallel_axis_is_accepted_and_named_as_presets():
     assert (m.world_size, m.dp_size, m.describe()) == (4, 2, "dp2_tp2")
     assert ParallelMesh(tp=2).describe() == "dp1_tp2"
     for preset in ("dp1_tp2", "dp2_tp2"):
+        assert (ROOT / "conf" / "mesh" / f"{preset}.yaml").is_file()
+
+
+def test_pipeline_axis_is_accepted_and_named_as_presets():
+    """pp multiplies the world but not the data-parallel ranks; the name is the preset's (conf/mesh/dp2_pp2.yaml)."""
+    m = ParallelMesh(dp_shard=2, pp=2)
+    assert (m.world_size, m.dp_size, m.describe()) == (4, 2, "dp2_pp2")
+    assert ParallelMesh(pp=2).describe() == "dp1_pp2"
+    for preset in ("dp1_pp2", "dp2_pp2"):
         assert (ROOT / "conf" / "mesh" / f"{preset}.yaml").is_file()
 
 

@@ -1,0 +1,281 @@
+"""Pipeline parallelism over the mesh's pp axis: the `pipeline` plugins.
+
+Stage r of pp keeps a contiguous, equal share of the Transformer blocks; the first stage also keeps the token
+embedding, the last the final norm and the LM head (and computes the loss). Every other module is replaced by a
+`core.model.Dropped` stand-in before anything is allocated, so a stage holds only its own parameters, while the
+seeded initialisation still draws (and throws away) the dropped weights in order: each stage starts from exactly
+one process's weights.
+
+Each rank's micro-step batch is cut into `microbatches` pieces that flow through the stages. `OurPipeline` runs
+them over torch.distributed point-to-point (`dist.batch_isend_irecv`; activations are (rows, seq_len, d_model)
+float32 tensors whose shape every rank knows from the batch, so no shape is exchanged) in one of two orders:
+
+    gpipe  every forward, then every backward                        (holds m micro-batches' activations)
+    1f1b   stage r: pp-1-r warm-up forwards, then one forward / one backward alternating, then the cool-down
+           backwards                                                  (holds at most pp-r micro-batches)
+
+`core.distributed.pipeline_torch.TorchPipeline` is the baseline: the same split under PyTorch's
+`torch.distributed.pipelining` schedules. The loss of each micro-batch is divided by their number, so the
+gradients and the reported loss are one process's mean over the same batch; the loss is broadcast from the last
+stage to the whole pp group (every rank logs it).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from core.distributed.mesh import ParallelMesh
+from core.errors import ConfigError, require
+from core.model import Dropped
+
+# strategies whose gradient synchronisation is a wrapper we drive ourselves: a no_sync context for every
+# micro-batch but the last backward, then finish_gradient_synchronization (torch's DDP arms its reducer in the
+# forward, which a pipeline schedule runs micro-batches ahead of their backward)
+COMPOSES_WITH = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed")
+
+
+def stage_layers(n_layers: int, pp: int, stage: int) -> range:
+    """The blocks stage `stage` of `pp` keeps: a contiguous, equal share (pp divides n_layers)."""
+    per = n_layers // pp
+    return range(stage * per, (stage + 1) * per)
+
+
+def split_stage(model: nn.Module, pp: int, stage: int) -> None:
+    """Keep stage `stage` of `pp` of a (meta-device) `TransformerLM` in place; the rest becomes `Dropped`."""
+    keep = stage_layers(model.cfg.n_layers, pp, stage)
+    for i, block in enumerate(model.blocks):
+        if i not in keep:
+            model.blocks[i] = Dropped.like(block)
+    if stage != 0:
+        model.token_embeddings = Dropped.like(model.token_embeddings)
+    if stage != pp - 1:
+        model.final_norm = Dropped.like(model.final_norm)
+        model.lm_head = Dropped.like(model.lm_head)
+
+
+def in_flight(schedule: str, pp: int, microbatches: int) -> int:
+    """Micro-batches whose activations the first stage holds at once: GPipe all m, 1F1B at most p."""
+    return microbatches if "gpipe" in schedule.lower() else min(pp, microbatches)
+
+
+def bubble_fraction(pp: int, microbatches: int) -> float:
+    """The idle share of a GPipe or 1F1B step with equal-cost stages: (p - 1) / (m + p - 1)."""
+    return (pp - 1) / (microbatches + pp - 1)
+
+
+def schedule_ops(schedule: str, stage: int, pp: int, microbatches: int) -> list[tuple[str, int]]:
+    """The (op, micro-batch) order stage `stage` runs: op "F" (forward) or "B" (backward)."""
+    m = microbatches
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    if schedule == "1f1b":
+        warm = min(pp - 1 - stage, m)
+        ops = [("F", i) for i in range(warm)]
+        for i in range(m - warm):
+            ops += [("F", warm + i), ("B", i)]
+        return ops + [("B", i) for i in range(m - warm, m)]
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+class PipelineParallel:
+    """Base of the `pipeline` plugins. With `mesh.pp == 1` nothing changes (`active` stays False).
+
+    `apply` splits a meta-device `TransformerLM` into this rank's stage in place; when active, the trainer hands
+    each optimizer step's micro-batch loop to `forward_backward` and each evaluation batch to `loss`."""
+
+    name = "none"
+    schedules: tuple[str, ...] = ()
+
+    def __init__(self, schedule: str, microbatches: int = 4) -> None:
+        self.schedule = str(schedule)
+        self.microbatches = microbatches
+        self.active = False
+        self.measuring = False
+        self.timeline: list[tuple[str, int, float, float]] = []  # (op, micro-batch, start s, end s) of the step
+        self.step_seconds = 0.0
+
+    def describe(self) -> str:
+        return f"{self.name}:{self.schedule}x{self.microbatches}" if self.active else "none"
+
+    # ---- before anything starts ----------------------------------------------------------------------
+    def validate(self, mesh: ParallelMesh, model_cfg, cfg, strategy_name: str) -> None:
+        """Refuse (ConfigError naming the key) what this plugin cannot run; called before any process starts."""
+        require(self.schedule in self.schedules, "pipeline.schedule",
+                f"unknown schedule {self.schedule!r} for pipeline={self.name}",
+                f"use one of {', '.join(self.schedules)}")
+        m = self.microbatches
+        require(isinstance(m, int) and m >= 1, "pipeline.microbatches", f"must be a positive integer, got {m!r}",
+                "set pipeline.microbatches=1 or more")
+        pp = mesh.pp
+        if pp == 1:
+            return
+        require(model_cfg.n_layers % pp == 0, "mesh.pp",
+                f"pp={pp} stages do not split model.n_layers={model_cfg.n_layers} blocks evenly",
+                "choose mesh.pp dividing model.n_layers")
+        require(mesh.tp == 1, "mesh.tp", f"pipeline (pp={pp}) together with tensor parallelism (tp={mesh.tp}) "
+                "is not implemented yet", "set mesh.tp=1 or mesh.pp=1")
+        strategy = strategy_name
+        require(strategy in COMPOSES_WITH, "parallelism",
+                f"parallelism={strategy} does not compose with pipeline parallelism (mesh.pp={pp}) yet",
+                f"use one of {', '.join(COMPOSES_WITH)}")
+        accum = cfg.train.grad_accum_steps
+        require(accum == 1, "train.grad_accum_steps",
+                f"under pipeline parallelism the pipeline's micro-batches replace gradient accumulation, got {accum}",
+                "set train.grad_accum_steps=1 and pipeline.microbatches=<micro-batches per step>")
+        local = cfg.train.batch_size // mesh.dp_size
+        require(local % m == 0, "pipeline.microbatches",
+                f"{m} micro-batches do not split this rank's {local} sequences (train.batch_size / dp)",
+                f"choose pipeline.microbatches dividing {local}")
+        if cfg.checkpoint.every or cfg.checkpoint.at_end or cfg.resume:
+            raise ConfigError("checkpoint", f"checkpoints under pipeline parallelism (mesh.pp={pp}) are not "
+                              "implemented yet: rank 0 would save only its own stage",
+                              "set checkpoint.every=0 checkpoint.at_end=false resume=null")
+        require(not cfg.compile, "compile", f"torch.compile under pipeline parallelism (mesh.pp={pp}) is not "
+                "supported yet", "set compile=false")
+        require(str(cfg.precision.get("dtype", "fp32")) != "fp16", "precision",
+                "fp16 loss scaling under pipeline parallelism is not supported (each stage would decide alone "
+                "whether to skip a step)", "use precision=bf16 or fp32")
+
+    # ---- the stage split -----------------------------------------------------------------------------
+    def apply(self, model: nn.Module, mesh: ParallelMesh) -> None:
+        """Keep this rank's stage of a meta-device `TransformerLM`; the rest becomes `Dropped` stand-ins."""
+        self.active = mesh.pp > 1
+        if not self.active:
+            return
+        self.mesh, self.pp = mesh, mesh.pp
+        self.group = mesh.group("pp")
+        self.stage = mesh.submesh("pp").get_local_rank()
+        self.is_first, self.is_last = self.stage == 0, self.stage == self.pp - 1
+        split_stage(model, self.pp, self.stage)
+        self.d_model = model.cfg.d_model
+        self.prev = dist.get_global_rank(self.group, self.stage - 1) if not self.is_first else None
+        self.next = dist.get_global_rank(self.group, self.stage + 1) if not self.is_last else None
+        self.last_rank = dist.get_global_rank(self.group, self.pp - 1)
+
+    # ---- point to point --------------------------------------------------------------------------------
+    def _recv(self, peer: int, shape: tuple[int, ...], device: torch.device) -> Tensor:
+        buf = torch.empty(shape, dtype=torch.float32, device=device)  # the residual stream stays float32
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, peer, self.group)]):
+            work.wait()
+        return buf
+
+    def _send(self, tensor: Tensor, peer: int) -> None:
+        tensor = tensor.detach().float().contiguous()
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer, self.group)])
+        self._pending += [(w, tensor) for w in works]  # the tensor must live until its send completes
+
+    def _broadcast_loss(self, total: Tensor) -> Tensor:
+        """The last stage's loss on every rank of the pp group."""
+        total = total.detach().float().clone()
+        dist.broadcast(total, src=self.last_rank, group=self.group)
+        return total
+
+    # ---- the trainer's calls -----------------------------------------------------------------------------
+    def forward_backward(self, run, step: int) -> Tensor:
+        """One optimizer step's forwards and backwards on this stage; returns the step's mean loss (every rank)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def loss(self, run, x: Tensor, y: Tensor) -> Tensor:
+        """Mean loss of one batch, forward only, through every stage (each rank gets it): evaluation."""
+        self._pending = []
+        shape = (x.shape[0], x.shape[1], self.d_model)
+        h = x if self.is_first else self._recv(self.prev, shape, run.device)
+        with run.tensor_parallel.loss_context(), run.precision.autocast():
+            out = run.model(h)
+            total = run.tensor_parallel.loss(out, y) if self.is_last else torch.zeros((), device=run.device)
+        if not self.is_last:
+            self._send(out, self.next)
+        self._wait_sends()
+        return self._broadcast_loss(total)
+
+    def _wait_sends(self) -> None:
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
+
+    def measure_communication(self, enabled: bool) -> None:
+        """Record the timeline (synchronising the device at each op) on the steps the trainer logs."""
+        self.measuring = enabled
+
+    def _stamp(self, run) -> float:
+        if self.measuring:
+            run.synchronize()
+        return time.perf_counter()
+
+    def step_metrics(self) -> dict[str, float]:
+        """The measured bubble of the last step on this rank: 1 - (time in forwards and backwards) / step time."""
+        if not (self.active and self.measuring and self.timeline and self.step_seconds > 0):
+            return {}
+        busy = sum(end - start for _, _, start, end in self.timeline)
+        return {"pp_bubble_fraction": max(0.0, 1.0 - busy / self.step_seconds)}
+
+    def collectives(self, mesh: ParallelMesh, model_cfg, micro_batch: int, seq_len: int) -> list:
+        """The point-to-point traffic of one optimizer step on a middle stage (`CollectiveSpec`s over pp): each
+        micro-batch's activation goes forward and its gradient backward across every stage boundary; float32."""
+        if mesh.pp == 1:
+            return []
+        from core.distributed.strategy import CollectiveSpec
+
+        m = self.microbatches
+        rows = micro_batch // m
+        nbytes = rows * seq_len * model_cfg.d_model * 4
+        return [CollectiveSpec("send_recv", "activations", 2 * m * nbytes, 2 * m, ("pp",)),
+                CollectiveSpec("send_recv", "activation gradients", 2 * m * nbytes, 2 * m, ("pp",))]
+
+
+class OurPipeline(PipelineParallel):
+    """Our schedules (GPipe, 1F1B) over batched isend/irecv; every rank records its (op, micro-batch, start, end)
+    timeline of the step for the measured bubble."""
+
+    name = "ours"
+    schedules = ("gpipe", "1f1b")
+
+    def forward_backward(self, run, step: int) -> Tensor:
+        x, y = run.micro_batch("train", step, 0)
+        m = self.microbatches
+        xs, ys = x.chunk(m), y.chunk(m)
+        shape = (xs[0].shape[0], xs[0].shape[1], self.d_model)
+        ops = schedule_ops(self.schedule, self.stage, self.pp, m)
+        inputs: dict[int, Tensor] = {}
+        outputs: dict[int, Tensor] = {}
+        total = torch.zeros((), device=run.device)
+        self._pending, self.timeline = [], []
+        begin = self._stamp(run)
+        for n, (op, i) in enumerate(ops):
+            # gradients are synchronised over dp by the last backward only (all earlier ones accumulate)
+            sync = n == len(ops) - 1
+            if op == "F":
+                h = xs[i] if self.is_first else self._recv(self.prev, shape, run.device).requires_grad_()
+                start = self._stamp(run)
+                with run.strategy.gradient_sync(False), run.tensor_parallel.loss_context():
+                    with run.precision.autocast():
+                        out = run.model(h)
+                    if self.is_last:
+                        out = run.tensor_parallel.loss(out, ys[i]) / m
+                        total += out.detach()
+                inputs[i], outputs[i] = h, out
+                if not self.is_last:
+                    self._send(out, self.next)
+            else:
+                grad = None if self.is_last else self._recv(self.next, shape, run.device)
+                start = self._stamp(run)
+                with run.strategy.gradient_sync(sync), run.tensor_parallel.loss_context():
+                    if self.is_last:
+                        run.precision.backward(outputs.pop(i))
+                    else:
+                        torch.autograd.backward(outputs.pop(i), grad)
+                h = inputs.pop(i)
+                if not self.is_first:
+                    self._send(h.grad, self.prev)
+            self.timeline.append((op, i, start - begin, self._stamp(run) - begin))
+        self._wait_sends()
+        self.step_seconds = self._stamp(run) - begin
+        run.strategy.finish_gradient_synchronization()
+        run.tensor_parallel.finish_gradients(run.raw_model)
+        return self._broadcast_loss(total)

@@ -1,0 +1,164 @@
+"""Pipeline parallelism on CPU ranks (gloo, fp32) against one process: each stage starts from one process's
+weights, and every schedule (ours: GPipe, 1F1B; torch.distributed.pipelining's: ScheduleGPipe, Schedule1F1B)
+trains to the same losses and gradient norms step by step, alone (pp2) and under data parallelism (dp2 x pp2).
+Our 1F1B's recorded timeline follows its definition; impossible configurations are refused in one line.
+
+Every configuration is built by the real trainer (`core.trainer.build` on a composed config); one spawn runs
+several configurations one after another (starting ranks costs seconds)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.distributed.pipeline import schedule_ops
+from core.errors import ConfigError
+from tests.dist_utils import run_ranks
+from tests.utils import compose_cfg
+
+STEPS = 3
+# 4 blocks: each of 2 stages keeps 2, so dropped blocks sit before and after the kept ones
+COMMON = ["model=tiny", "model.n_layers=4", "data=synthetic", "data.seq_len=32", f"train.max_steps={STEPS}",
+          "optimizer.warmup_steps=1", "logger=none", "mesh.device=cpu", "mesh.timeout_s=120"]
+PP2 = {  # mesh=dp1_pp2, train.batch_size=4: 4 micro-batches of one sequence
+    "ours_gpipe": ["pipeline=ours", "pipeline.schedule=gpipe"],
+    "ours_1f1b": ["pipeline=ours", "pipeline.schedule=1f1b"],
+    "torch_gpipe": ["pipeline=torch", "pipeline.schedule=ScheduleGPipe"],
+    "torch_1f1b": ["pipeline=torch", "pipeline.schedule=Schedule1F1B"],
+}
+DP2_PP2 = {  # mesh=dp2_pp2, train.batch_size=8: 4 sequences per dp rank, 2 micro-batches
+    "ours_1f1b_ddp_bucketed": ["pipeline=ours", "pipeline.schedule=1f1b", "parallelism=ddp_bucketed"],
+    "torch_gpipe_ddp_bucketed": ["pipeline=torch", "pipeline.schedule=ScheduleGPipe", "parallelism=ddp_bucketed"],
+}
+
+
+def _train(cfg) -> dict:
+    """STEPS optimizer steps through the trainer: each step's loss and grad norm, this rank's initial weights and
+    its gradients of the first step (synchronised, before clipping), by parameter name, and the first step's
+    timeline."""
+    from core.trainer import all_reduce_mean, build
+
+    run = build(cfg)
+    init = {n: p.detach().clone() for n, p in run.raw_model.named_parameters()}
+    losses, norms, grads, timeline = [], [], {}, None
+    for step in range(STEPS):
+        loss = run.forward_backward(step)
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in run.raw_model.named_parameters() if p.grad is not None}
+            timeline = list(run.pipeline.timeline)
+        norm, _ = run.optimizer_step(step, measure_norm=True)
+        losses.append(all_reduce_mean(loss, run.mesh))
+        norms.append(norm)
+    return {"losses": losses, "norms": norms, "grads": grads, "init": init, "timeline": timeline,
+            "stage": getattr(run.pipeline, "stage", 0)}
+
+
+def _reference(tmp: Path, batch: int) -> str:
+    ref = _train(compose_cfg(COMMON + ["mesh=single", f"train.batch_size={batch}"], tmp / "single"))
+    path = tmp / f"ref{batch}.pt"
+    torch.save(ref, path)
+    return str(path)
+
+
+def _worker(rank: int, world: int, configs: dict, extra: list, ref_path: str, tmp: str) -> None:
+    ref = torch.load(ref_path)
+    for name, overrides in configs.items():
+        out = _train(compose_cfg(COMMON + extra + overrides, Path(tmp) / name))
+        for step, (a, b) in enumerate(zip(out["losses"], ref["losses"])):
+            assert abs(a - b) <= 1e-4 * abs(b), f"{name}: step {step + 1} loss {a} != one process's {b}"
+        for step, (a, b) in enumerate(zip(out["norms"], ref["norms"])):
+            assert abs(a - b) <= 1e-4 * abs(b), f"{name}: step {step + 1} grad norm {a} != one process's {b}"
+        # this stage holds its own parameters only, each initialised and differentiated as in one process
+        assert 0 < len(out["init"]) < len(ref["init"]), f"{name}: stage holds {len(out['init'])} parameters"
+        for pname, w in out["init"].items():
+            assert torch.equal(w, ref["init"][pname]), f"{name} {pname}: initial weight differs from one process's"
+            assert torch.allclose(out["grads"][pname], ref["grads"][pname], rtol=1e-4, atol=1e-6), \
+                f"{name} {pname}: gradient max error {(out['grads'][pname] - ref['grads'][pname]).abs().max():.3e}"
+        if name == "ours_1f1b":
+            # the recorded order is the definition's: pp-1-r warm-up forwards, then alternating, then cool-down
+            order = [(op, i) for op, i, _, _ in out["timeline"]]
+            assert order == schedule_ops("1f1b", out["stage"], 2, 4), f"stage {out['stage']}: {order}"
+            assert all(start <= end for _, _, start, end in out["timeline"])
+
+
+def test_1f1b_order_is_warm_up_then_alternating():
+    """The schedule's definition, per stage, before any run: stage r of p does p-1-r warm-up forwards."""
+    assert schedule_ops("1f1b", 0, 2, 4) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3),
+                                             ("B", 2), ("B", 3)]
+    assert schedule_ops("1f1b", 1, 2, 4) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2),
+                                             ("F", 3), ("B", 3)]
+    assert schedule_ops("1f1b", 0, 4, 6)[:4] == [("F", 0), ("F", 1), ("F", 2), ("F", 3)]
+    assert schedule_ops("gpipe", 1, 2, 3) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]
+
+
+def test_pp2_schedules_match_one_process(tmp_path):
+    ref = _reference(tmp_path, 4)
+    run_ranks(_worker, world_size=2, timeout_s=120,
+              args=(PP2, ["mesh=dp1_pp2", "train.batch_size=4", "pipeline.microbatches=4"], ref, str(tmp_path)))
+
+
+def test_dp2_pp2_matches_one_process(tmp_path):
+    ref = _reference(tmp_path, 8)
+    run_ranks(_worker, world_size=4, timeout_s=120,
+              args=(DP2_PP2, ["mesh=dp2_pp2", "train.batch_size=8", "pipeline.microbatches=2"], ref,
+                    str(tmp_path)))
+
+
+REFUSED = [  # (overrides beyond mesh=dp1_pp2, the key named)
+    (["model.n_layers=3"], "mesh.pp"),
+    (["pipeline.microbatches=3"], "pipeline.microbatches"),
+    (["train.grad_accum_steps=2"], "train.grad_accum_steps"),
+    (["pipeline.schedule=interleaved"], "pipeline.schedule"),
+    (["pipeline=torch", "pipeline.schedule=ScheduleInterleaved1F1B"], "pipeline.schedule"),
+    (["mesh=dp2_pp2", "parallelism=zero1"], "parallelism"),
+    (["mesh=dp2_pp2", "parallelism=torch_ddp"], "parallelism"),
+    (["mesh.tp=2"], "mesh.tp"),
+    (["checkpoint.every=10"], "checkpoint"),
+    (["resume=auto"], "checkpoint"),
+    (["compile=true"], "compile"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", REFUSED)
+def test_unsupported_pipeline_configs_are_refused(overrides, key, tmp_path):
+    from launchers.job import validate
+
+    cfg = compose_cfg(["model=tiny", "data=synthetic", "mesh.device=cpu", "mesh=dp1_pp2", "train.batch_size=8",
+                       *overrides], tmp_path)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, check_devices=False)
+    assert e.value.key == key, str(e.value)
+
+
+def test_refusal_is_one_line_with_exit_code_2(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "train.py", "model=tiny", "data=synthetic", "mesh.device=cpu", "logger=none",
+           "mesh=dp1_pp2", "model.n_layers=3", f"paths.output_root={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: mesh.pp:") and "n_layers=3" in lines[0], proc.stderr
+    assert not list(tmp_path.rglob("summary.json"))
+
+
+def test_planner_counts_one_stage_the_bubble_and_the_schedules_activations():
+    """Parameters of the last stage (its blocks, norm and head), activations of m (GPipe) or p (1F1B) micro-batches
+    in flight, the bubble (p-1)/(m+p-1), and the stages' point-to-point bytes."""
+    from core.planner import plan
+
+    base = ["model=small", "precision=bf16", "planner.device=h100_sxm", "mesh=dp1_pp2", "train.batch_size=16",
+            "pipeline.microbatches=8"]
+    gpipe = plan(compose_cfg(base + ["pipeline.schedule=gpipe"])).to_dict()
+    ofob = plan(compose_cfg(base + ["pipeline.schedule=1f1b"])).to_dict()
+    one = plan(compose_cfg(["model=small", "precision=bf16", "planner.device=h100_sxm", "train.batch_size=16"]))
+    m = compose_cfg(["model=small"]).model
+    d, v, layers = m.d_model, m.vocab_size, m.n_layers
+    block = (one.params - 2 * v * d - d) // layers
+    assert gpipe["params"] == layers // 2 * block + v * d + d
+    assert gpipe["memory"]["activations"] == 4 * ofob["memory"]["activations"]  # 8 micro-batches in flight vs 2
+    assert gpipe["time_ms"]["pp_bubble_fraction"] == pytest.approx(1 / 9)
+    p2p = [c for c in gpipe["collectives"] if c["name"] == "send_recv"]
+    assert sum(c["bytes_per_step"] for c in p2p) == 4 * 8 * (16 // 8) * 512 * d * 4  # 2 ways x 2 tensors x m
