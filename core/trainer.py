@@ -453,6 +453,7 @@ def _train_loop(run: Run) -> dict[str, Any]:
             loggers.log({"val_loss": val_loss}, step)
         if status == "ok" and (cfg.checkpoint.at_end or cfg.checkpoint.every) and not finished_before:
             _save(run, ckpt, step)
+        run.pipeline.save_timeline(run)  # the last (logged) step's schedule, as run
         step_times = window.step_times
         if step == start_step:  # no step ran here: the timings are the logged ones
             step_times, history = earlier.step_times, earlier.history

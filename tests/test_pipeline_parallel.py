@@ -43,7 +43,7 @@ def _train(cfg) -> dict:
 
     run = build(cfg)
     init = {n: p.detach().clone() for n, p in run.raw_model.named_parameters()}
-    losses, norms, grads, timeline = [], [], {}, None
+    losses, norms, grads, timeline, saved = [], [], {}, None, None
     for step in range(STEPS):
         loss = run.forward_backward(step)
         if step == 0:
@@ -52,8 +52,10 @@ def _train(cfg) -> dict:
         norm, _ = run.optimizer_step(step, measure_norm=True)
         losses.append(all_reduce_mean(loss, run.mesh))
         norms.append(norm)
+    if run.mesh.pp > 1:
+        saved = run.pipeline.save_timeline(run)  # collective: every rank's last step, written by rank 0
     return {"losses": losses, "norms": norms, "grads": grads, "init": init, "timeline": timeline,
-            "stage": getattr(run.pipeline, "stage", 0)}
+            "stage": getattr(run.pipeline, "stage", 0), "saved": saved}
 
 
 def _reference(tmp: Path, batch: int) -> str:
@@ -82,6 +84,14 @@ def _worker(rank: int, world: int, configs: dict, extra: list, ref_path: str, tm
             order = [(op, i) for op, i, _, _ in out["timeline"]]
             assert order == schedule_ops("1f1b", out["stage"], 2, 4), f"stage {out['stage']}: {order}"
             assert all(start <= end for _, _, start, end in out["timeline"])
+            if rank == 0:  # the run directory gets every rank's timeline (and its picture)
+                import json
+
+                written = json.loads(out["saved"].read_text())
+                assert [r["stage"] for r in written["ranks"]] == [0, 1]
+                assert [tuple(e[:2]) for e in written["ranks"][1]["events"]] == \
+                    [tuple(o) for o in schedule_ops("1f1b", 1, 2, 4)]
+                assert out["saved"].with_suffix(".png").is_file()
 
 
 def test_1f1b_order_is_warm_up_then_alternating():

@@ -21,8 +21,9 @@ stage to the whole pp group (every rank logs it).
 """
 from __future__ import annotations
 
-import contextlib
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -90,6 +91,7 @@ class PipelineParallel:
 
     name = "none"
     schedules: tuple[str, ...] = ()
+    records_timeline = False  # whether forward_backward fills `timeline`
 
     def __init__(self, schedule: str, microbatches: int = 4) -> None:
         self.schedule = str(schedule)
@@ -215,6 +217,27 @@ class PipelineParallel:
         busy = sum(end - start for _, _, start, end in self.timeline)
         return {"pp_bubble_fraction": max(0.0, 1.0 - busy / self.step_seconds)}
 
+    def save_timeline(self, run) -> Path | None:
+        """Every rank's timeline of the last step, written by rank 0 to `pipeline_timeline.json` in the run
+        directory (and `pipeline_timeline.png`, one row per rank, where matplotlib is installed). Collective over
+        the whole world: every rank calls it. Returns the JSON's path on rank 0."""
+        if not (self.active and self.records_timeline):
+            return None
+        mine = {"rank": run.mesh.rank, "stage": self.stage, "step_s": self.step_seconds,
+                "events": [list(e) for e in self.timeline]}
+        every: list[Any] = [None] * run.mesh.world_size
+        dist.all_gather_object(every, mine)
+        if not run.mesh.is_main:
+            return None
+        path = Path(run.run_dir) / "pipeline_timeline.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"schedule": self.describe(), "pp": self.pp, "ranks": every}, indent=1))
+        try:
+            _plot_timeline(every, self.describe(), path.with_suffix(".png"))
+        except ImportError:  # matplotlib is optional: the JSON holds the same
+            pass
+        return path
+
     def collectives(self, mesh: ParallelMesh, model_cfg, micro_batch: int, seq_len: int) -> list:
         """The point-to-point traffic of one optimizer step on a middle stage (`CollectiveSpec`s over pp): each
         micro-batch's activation goes forward and its gradient backward across every stage boundary; float32."""
@@ -229,12 +252,35 @@ class PipelineParallel:
                 CollectiveSpec("send_recv", "activation gradients", 2 * m * nbytes, 2 * m, ("pp",))]
 
 
+def _plot_timeline(ranks: list[dict], title: str, path: Path) -> None:
+    """One row per rank: forwards and backwards as bars labelled with their micro-batch; the gaps are the bubble."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(ranks) + 1.2))
+    for row, r in enumerate(ranks):
+        for op, mb, start, end in r["events"]:
+            ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (row - 0.4, 0.8),
+                           facecolors="tab:blue" if op == "F" else "tab:green", edgecolor="white")
+            ax.text((start + end) / 2 * 1e3, row, str(mb), ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(len(ranks)), [f"rank {r['rank']} (stage {r['stage']})" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the step began (blue: forward, green: backward)")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 class OurPipeline(PipelineParallel):
     """Our schedules (GPipe, 1F1B) over batched isend/irecv; every rank records its (op, micro-batch, start, end)
     timeline of the step for the measured bubble."""
 
     name = "ours"
     schedules = ("gpipe", "1f1b")
+    records_timeline = True
 
     def forward_backward(self, run, step: int) -> Tensor:
         x, y = run.micro_batch("train", step, 0)
