@@ -161,6 +161,8 @@ class Plan:
         d["comm_bytes_per_step"] = sum(c.bytes_per_step for c in self.collectives)
         d["comm_ms"] = self.time_ms.get("comm_ms")
         d["exposed_comm_ms"] = self.time_ms.get("exposed_comm_ms")
+        if "pp_bubble_fraction" in self.time_ms:  # compared with the run's measured bubble
+            d["pp_bubble_fraction"] = self.time_ms["pp_bubble_fraction"]
         tp = [c for c in self.collectives if "tp" in c.axes]
         if tp and self.time_ms:  # inline in the regions: all exposed
             d["tp_comm_ms"] = d["tp_exposed_comm_ms"] = sum(c.ms for c in tp)
@@ -693,7 +695,10 @@ def measured_peak_memory_gib(summary: dict[str, Any]) -> Optional[float]:
 def predicted_vs_measured(plan_dict: dict[str, Any], summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Side-by-side numbers for the end of a run (and the sweep report); error = `relative_error`."""
     out = {}
-    for k in ("step_time_ms", "tokens_per_s", "peak_mem_gib", "mfu", "comm_ms", "exposed_comm_ms"):
+    keys = ("step_time_ms", "tokens_per_s", "peak_mem_gib", "mfu", "comm_ms", "exposed_comm_ms")
+    if plan_dict.get("pp_bubble_fraction") is not None:  # under pipeline parallelism
+        keys += ("pp_bubble_fraction",)
+    for k in keys:
         p = plan_dict.get(k)
         meas = measured_peak_memory_gib(summary) if k == "peak_mem_gib" else summary.get(k)
         out[k] = {"predicted": p, "measured": meas, "error": relative_error(p, meas)}
