@@ -362,17 +362,18 @@ class MegatronTensorParallel(TensorParallel):
     name = "megatron"
     composes_with = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed", "zero1", "zero1_rs",
                      "torch_ddp", "fsdp")
-    # the whole-tensor strategies: `TensorParallelCheckpoint` saves their state with its tp placements
-    checkpoints_with = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed", "torch_ddp")
+    # the whole-parameter strategies: `TensorParallelCheckpoint` saves their state with its tp placements
+    checkpoints_with = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed", "torch_ddp", "zero1",
+                        "zero1_rs")
 
     def checkpoint_view(self, strategy, mesh: ParallelMesh):
-        if self.active and strategy.checkpoint_format == "full":
+        if self.active and strategy.name in self.checkpoints_with:
             return TensorParallelCheckpoint(self, mesh, strategy.name)
         return strategy
 
     def checkpoint_reader(self, strategy, mesh: ParallelMesh) -> "TensorParallelCheckpoint | None":
-        """The reader of `TensorParallelCheckpoint`s for a whole-tensor strategy on any mesh (tp 1 included)."""
-        return TensorParallelCheckpoint(self, mesh, strategy.name) if strategy.checkpoint_format == "full" else None
+        """The reader of `TensorParallelCheckpoint`s for a whole-parameter strategy on any mesh (tp 1 included)."""
+        return TensorParallelCheckpoint(self, mesh, strategy.name) if strategy.name in self.checkpoints_with else None
 
     def apply(self, model: nn.Module, mesh: ParallelMesh) -> None:
         super().apply(model, mesh)
@@ -423,8 +424,9 @@ class MegatronTensorParallel(TensorParallel):
 
 # ---- checkpoints ------------------------------------------------------------------------------------------
 class TensorParallelCheckpoint:
-    """Checkpoint state of a run whose strategy keeps whole tensors per data-parallel rank (`none`, the DDP family,
-    `torch_ddp`) under our tensor parallelism, as torch.distributed.checkpoint entries that any mesh can read.
+    """Checkpoint state of a run whose strategy keeps whole parameters per data-parallel rank (`none`, the DDP
+    family, `torch_ddp`; ZeRO-1, whose ranks each hold their owned parameters' optimizer state) under our tensor
+    parallelism, as torch.distributed.checkpoint entries that any mesh can read.
 
     Every tp-split weight, and each optimizer-state tensor shaped like it, is saved as a DTensor sharded over the
     tp axis, so its global value is the one-process tensor; the fused qkv weight is saved as its three segments
@@ -475,40 +477,39 @@ class TensorParallelCheckpoint:
                 out[key + tag] = self._as_global(piece, dim)
         return out
 
-    def _raw(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
+    def _entries(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """The live tensors to save or load into: parameters by name, and this rank's optimizer state by parameter
+        name (all of it for a whole-tensor strategy, the owned parameters' under ZeRO-1)."""
         from core.distributed.comm import init_optimizer_state
 
-        init_optimizer_state(optimizer)  # a template before the first step needs every state tensor
-        return get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
+        # a template before the first step needs every state tensor (ZeRO-1: of the inner, owned-state optimizer)
+        init_optimizer_state(getattr(optimizer, "local_optimizer", optimizer))
+        named = dict(model.named_parameters())
+        name_of = {id(p): n for n, p in named.items()}
+        state = {name_of[id(p)]: s for p, s in optimizer.state.items() if id(p) in name_of}
+        return {n: p.detach() for n, p in named.items()}, state
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        model_sd, optim_sd = self._raw(model, optimizer)
+        params, state = self._entries(model, optimizer)
         flat_model: dict[str, Any] = {}
-        for fqn, value in model_sd.items():
+        for fqn, value in params.items():
             flat_model.update(self._flat(model, fqn, {fqn: value}))
-        return {"model": flat_model,
-                "optimizer": {"state": {fqn: self._flat(model, fqn, s) for fqn, s in optim_sd["state"].items()},
-                              "param_groups": optim_sd["param_groups"]}}
+        return {"model": flat_model, "optimizer": {fqn: self._flat(model, fqn, s) for fqn, s in state.items()}}
 
     @torch.no_grad()
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-        model_sd, optim_sd = self._raw(model, optimizer)
+        params, opt_state = self._entries(model, optimizer)
 
         def restore(fqn: str, entries: dict[str, Any], loaded: dict) -> None:
             for key, value in entries.items():
                 if not torch.is_tensor(value):
+                    entries[key] = loaded[key]
                     continue
                 parts = [loaded[key + tag] for tag, _, _ in self._pieces(model, fqn, value)]
                 parts = [p.to_local() if hasattr(p, "to_local") else p for p in parts]
                 value.copy_(torch.cat(parts, dim=0) if len(parts) > 1 else parts[0])
 
-        for fqn, value in model_sd.items():
+        for fqn, value in params.items():
             restore(fqn, {fqn: value}, state["model"])
-        for fqn, s in optim_sd["state"].items():
-            restore(fqn, s, state["optimizer"]["state"][fqn])
-        set_model_state_dict(model, model_sd)
-        set_optimizer_state_dict(model, optimizer, optim_sd)
+        for fqn, s in opt_state.items():
+            restore(fqn, s, state["optimizer"][fqn])

@@ -265,6 +265,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._grads_reduced = False
         return loss
 
+    @property
+    def local_optimizer(self) -> torch.optim.Optimizer:
+        """The inner optimizer over this rank's owned parameters (its state is `self.state`)."""
+        return self._local
+
     def _all_params(self) -> list[nn.Parameter]:
         return [p for g in self.param_groups for p in g["params"]]
 
