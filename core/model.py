@@ -189,16 +189,20 @@ class TransformerLM(nn.Module):
         self.blocks = nn.ModuleList(TransformerBlock(cfg, attention, self.rope) for _ in range(cfg.n_layers))
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # the hidden state a later pipeline stage receives holds 1/hidden_seq_parts of the sequence (sequence
+        # parallelism shards it over tp): the positions are those of the whole sequence
+        self.hidden_seq_parts = 1
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Logits of `tokens`; a pipeline stage (some modules `Dropped`) maps its input to its output instead:
         a later stage takes the hidden state (B, T, D), an earlier one returns it."""
-        T = tokens.shape[1]
+        first = not isinstance(self.token_embeddings, Dropped)
+        T = tokens.shape[1] * (1 if first else self.hidden_seq_parts)
         require(T <= self.cfg.context_length, "data.seq_len",
                 f"sequence of {T} tokens is longer than model.context_length={self.cfg.context_length}",
                 "set data.seq_len <= model.context_length (or raise model.context_length)")
         positions = torch.arange(T, device=tokens.device)
-        x = tokens if isinstance(self.token_embeddings, Dropped) else self.token_embeddings(tokens)  # (B, T, D)
+        x = self.token_embeddings(tokens) if first else tokens  # (B, T, D)
         for i, block in enumerate(self.blocks):
             if isinstance(block, Dropped):
                 continue
@@ -263,7 +267,8 @@ class Dropped(nn.Module):
     def like(cls, module: nn.Module) -> "Dropped":
         """A stand-in for `module` and all its children (Linear / Embedding weights become draw-only slots)."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            return cls(tuple(module.weight.shape))
+            # a tensor-parallel part draws its whole weight: the shape one process has
+            return cls(tuple(getattr(module, "full_weight_shape", None) or module.weight.shape))
         out = cls()
         for name, child in module.named_children():
             out.add_module(name, cls.like(child))

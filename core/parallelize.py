@@ -43,7 +43,7 @@ def parallelize(model: TransformerLM, mesh: ParallelMesh, tensor_parallel: Tenso
     """Apply every parallelism to a meta-device `model` on an initialised `mesh`, in the order above."""
     tensor_parallel.apply(model, mesh)
     if pipeline is not None:
-        pipeline.apply(model, mesh)
+        pipeline.apply(model, mesh, tensor_parallel)
     checkpointed = activation_checkpointing.apply(model, checkpoint_every)
     if compile_model:
         model.compile()

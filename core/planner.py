@@ -549,10 +549,11 @@ def predict_communication(job: Job, prof: StrategyProfile, spec: Optional[Device
 
 
 def tensor_parallel_collectives(job: Job) -> list:
-    """The tp axis's collectives of one optimizer step (the plugin describes them)."""
+    """The tp axis's collectives of one optimizer step (the plugin describes them; under pipeline parallelism, of
+    one stage's blocks)."""
     if job.mesh.tp == 1 or job.tensor_parallel is None:
         return []
-    return job.tensor_parallel.collectives(job.mesh, job.model, job.micro_batch, job.seq_len,
+    return job.tensor_parallel.collectives(job.mesh, job.stage_model, job.micro_batch, job.seq_len,
                                            2 if job.autocast else 4, job.grad_accum, job.checkpointed_blocks)
 
 

@@ -234,7 +234,7 @@ def build(cfg: DictConfig, mesh: ParallelMesh | None = None) -> Run:
     tensor_parallel: TensorParallel = instantiate(cfg.tensor_parallel)
     tensor_parallel.validate(mesh, model_cfg, data.seq_len, strategy.name)
     pipeline: PipelineParallel = instantiate(cfg.pipeline)
-    pipeline.validate(mesh, model_cfg, cfg, strategy.name)
+    pipeline.validate(mesh, model_cfg, cfg, strategy.name, tensor_parallel.name)
     with torch.device("meta"):
         model = TransformerLM(model_cfg, attention)
     reset_peak_memory(mesh.device_obj)

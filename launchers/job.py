@@ -124,7 +124,7 @@ def validate(cfg: DictConfig, check_devices: bool = True) -> ParallelMesh:
     tensor_parallel.validate(mesh, instantiate(cfg.model), int(cfg.data.seq_len), strategy.name)
     wants_checkpoints = bool(cfg.checkpoint.every or cfg.checkpoint.at_end or cfg.resume)
     tensor_parallel.validate_checkpointing(mesh, strategy.name, wants_checkpoints)
-    instantiate(cfg.pipeline).validate(mesh, instantiate(cfg.model), cfg, strategy.name)
+    instantiate(cfg.pipeline).validate(mesh, instantiate(cfg.model), cfg, strategy.name, tensor_parallel.name)
     return mesh
 
 

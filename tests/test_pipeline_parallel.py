@@ -29,9 +29,12 @@ PP2 = {  # mesh=dp1_pp2, train.batch_size=4: 4 micro-batches of one sequence
     "torch_gpipe": ["pipeline=torch", "pipeline.schedule=ScheduleGPipe"],
     "torch_1f1b": ["pipeline=torch", "pipeline.schedule=Schedule1F1B"],
 }
-DP2_PP2 = {  # mesh=dp2_pp2, train.batch_size=8: 4 sequences per dp rank, 2 micro-batches
+FOUR_RANKS = {  # mesh=dp2_pp2, train.batch_size=8: 4 sequences per dp rank, 2 micro-batches; or tp2 x pp2
     "ours_1f1b_ddp_bucketed": ["pipeline=ours", "pipeline.schedule=1f1b", "parallelism=ddp_bucketed"],
     "torch_gpipe_ddp_bucketed": ["pipeline=torch", "pipeline.schedule=ScheduleGPipe", "parallelism=ddp_bucketed"],
+    # our Megatron TP (sequence parallelism on: stages pass sequence shards) inside each stage, 8 sequences
+    "ours_gpipe_tp2": ["mesh.dp_shard=1", "mesh.tp=2", "pipeline=ours", "pipeline.schedule=gpipe"],
+    "torch_1f1b_tp2": ["mesh.dp_shard=1", "mesh.tp=2", "pipeline=torch", "pipeline.schedule=Schedule1F1B"],
 }
 
 
@@ -55,14 +58,22 @@ def _train(cfg) -> dict:
     if run.mesh.pp > 1:
         saved = run.pipeline.save_timeline(run)  # collective: every rank's last step, written by rank 0
     return {"losses": losses, "norms": norms, "grads": grads, "init": init, "timeline": timeline,
-            "stage": getattr(run.pipeline, "stage", 0), "saved": saved}
+            "stage": getattr(run.pipeline, "stage", 0), "saved": saved, "model": run.raw_model}
 
 
 def _reference(tmp: Path, batch: int) -> str:
     ref = _train(compose_cfg(COMMON + ["mesh=single", f"train.batch_size={batch}"], tmp / "single"))
+    ref.pop("model")
     path = tmp / f"ref{batch}.pt"
     torch.save(ref, path)
     return str(path)
+
+
+def _part(model: torch.nn.Module, pname: str, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a one-process tensor of parameter `pname` (all of it without tensor parallelism)."""
+    from core.model import part_of_full
+
+    return part_of_full(model.get_submodule(pname.rsplit(".", 1)[0]), full)
 
 
 def _worker(rank: int, world: int, configs: dict, extra: list, ref_path: str, tmp: str) -> None:
@@ -76,9 +87,10 @@ def _worker(rank: int, world: int, configs: dict, extra: list, ref_path: str, tm
         # this stage holds its own parameters only, each initialised and differentiated as in one process
         assert 0 < len(out["init"]) < len(ref["init"]), f"{name}: stage holds {len(out['init'])} parameters"
         for pname, w in out["init"].items():
-            assert torch.equal(w, ref["init"][pname]), f"{name} {pname}: initial weight differs from one process's"
-            assert torch.allclose(out["grads"][pname], ref["grads"][pname], rtol=1e-4, atol=1e-6), \
-                f"{name} {pname}: gradient max error {(out['grads'][pname] - ref['grads'][pname]).abs().max():.3e}"
+            want_w, want_g = (_part(out["model"], pname, ref[k][pname]) for k in ("init", "grads"))
+            assert torch.equal(w, want_w), f"{name} {pname}: initial weight differs from one process's"
+            assert torch.allclose(out["grads"][pname], want_g, rtol=1e-4, atol=1e-6), \
+                f"{name} {pname}: gradient max error {(out['grads'][pname] - want_g).abs().max():.3e}"
         if name == "ours_1f1b":
             # the recorded order is the definition's: pp-1-r warm-up forwards, then alternating, then cool-down
             order = [(op, i) for op, i, _, _ in out["timeline"]]
@@ -110,10 +122,10 @@ def test_pp2_schedules_match_one_process(tmp_path):
               args=(PP2, ["mesh=dp1_pp2", "train.batch_size=4", "pipeline.microbatches=4"], ref, str(tmp_path)))
 
 
-def test_dp2_pp2_matches_one_process(tmp_path):
+def test_dp2_pp2_and_tp2_pp2_match_one_process(tmp_path):
     ref = _reference(tmp_path, 8)
     run_ranks(_worker, world_size=4, timeout_s=120,
-              args=(DP2_PP2, ["mesh=dp2_pp2", "train.batch_size=8", "pipeline.microbatches=2"], ref,
+              args=(FOUR_RANKS, ["mesh=dp2_pp2", "train.batch_size=8", "pipeline.microbatches=2"], ref,
                     str(tmp_path)))
 
 
@@ -125,7 +137,7 @@ REFUSED = [  # (overrides beyond mesh=dp1_pp2, the key named)
     (["pipeline=torch", "pipeline.schedule=ScheduleInterleaved1F1B"], "pipeline.schedule"),
     (["mesh=dp2_pp2", "parallelism=zero1"], "parallelism"),
     (["mesh=dp2_pp2", "parallelism=torch_ddp"], "parallelism"),
-    (["mesh.tp=2"], "mesh.tp"),
+    (["mesh.tp=2", "tensor_parallel=dtensor"], "tensor_parallel"),
     (["checkpoint.every=10"], "checkpoint"),
     (["resume=auto"], "checkpoint"),
     (["compile=true"], "compile"),

@@ -91,6 +91,8 @@ class PipelineParallel:
 
     name = "none"
     schedules: tuple[str, ...] = ()
+    # tensor_parallel plugins whose stages exchange plain tensors (DTensor plans pass DTensors between blocks)
+    composes_with_tp = ("megatron",)
     records_timeline = False  # whether forward_backward fills `timeline`
 
     def __init__(self, schedule: str, microbatches: int = 4) -> None:
@@ -105,7 +107,7 @@ class PipelineParallel:
         return f"{self.name}:{self.schedule}x{self.microbatches}" if self.active else "none"
 
     # ---- before anything starts ----------------------------------------------------------------------
-    def validate(self, mesh: ParallelMesh, model_cfg, cfg, strategy_name: str) -> None:
+    def validate(self, mesh: ParallelMesh, model_cfg, cfg, strategy_name: str, tensor_parallel_name: str) -> None:
         """Refuse (ConfigError naming the key) what this plugin cannot run; called before any process starts."""
         require(self.schedule in self.schedules, "pipeline.schedule",
                 f"unknown schedule {self.schedule!r} for pipeline={self.name}",
@@ -119,8 +121,9 @@ class PipelineParallel:
         require(model_cfg.n_layers % pp == 0, "mesh.pp",
                 f"pp={pp} stages do not split model.n_layers={model_cfg.n_layers} blocks evenly",
                 "choose mesh.pp dividing model.n_layers")
-        require(mesh.tp == 1, "mesh.tp", f"pipeline (pp={pp}) together with tensor parallelism (tp={mesh.tp}) "
-                "is not implemented yet", "set mesh.tp=1 or mesh.pp=1")
+        require(mesh.tp == 1 or tensor_parallel_name in self.composes_with_tp, "tensor_parallel",
+                f"pipeline parallelism (pp={pp}) with tensor_parallel={tensor_parallel_name} (tp={mesh.tp}) is not "
+                "implemented yet", f"use tensor_parallel={' or '.join(self.composes_with_tp)}, or mesh.tp=1")
         strategy = strategy_name
         require(strategy in COMPOSES_WITH, "parallelism",
                 f"parallelism={strategy} does not compose with pipeline parallelism (mesh.pp={pp}) yet",
@@ -144,8 +147,9 @@ class PipelineParallel:
                 "whether to skip a step)", "use precision=bf16 or fp32")
 
     # ---- the stage split -----------------------------------------------------------------------------
-    def apply(self, model: nn.Module, mesh: ParallelMesh) -> None:
-        """Keep this rank's stage of a meta-device `TransformerLM`; the rest becomes `Dropped` stand-ins."""
+    def apply(self, model: nn.Module, mesh: ParallelMesh, tensor_parallel=None) -> None:
+        """Keep this rank's stage of a meta-device `TransformerLM` (after `tensor_parallel` split it); the rest
+        becomes `Dropped` stand-ins."""
         self.active = mesh.pp > 1
         if not self.active:
             return
@@ -154,10 +158,19 @@ class PipelineParallel:
         self.stage = mesh.submesh("pp").get_local_rank()
         self.is_first, self.is_last = self.stage == 0, self.stage == self.pp - 1
         split_stage(model, self.pp, self.stage)
+        if tensor_parallel is not None and tensor_parallel.active and getattr(tensor_parallel, "sequence_parallel", False):
+            model.hidden_seq_parts = mesh.tp  # stages pass sequence shards
         self.d_model = model.cfg.d_model
         self.prev = dist.get_global_rank(self.group, self.stage - 1) if not self.is_first else None
         self.next = dist.get_global_rank(self.group, self.stage + 1) if not self.is_last else None
         self.last_rank = dist.get_global_rank(self.group, self.pp - 1)
+
+    def hidden_shape(self, run, rows: int, seq_len: int) -> tuple[int, int, int]:
+        """The shape of the hidden state between stages: (rows, tokens, d_model); under sequence parallelism each
+        tp rank holds seq_len / tp tokens, and sends them to the same tp rank of the next stage."""
+        tp = run.tensor_parallel
+        sharded = tp.active and getattr(tp, "sequence_parallel", False)
+        return rows, seq_len // run.mesh.tp if sharded else seq_len, self.d_model
 
     # ---- point to point --------------------------------------------------------------------------------
     def _recv(self, peer: int, shape: tuple[int, ...], device: torch.device) -> Tensor:
@@ -186,7 +199,7 @@ class PipelineParallel:
     def loss(self, run, x: Tensor, y: Tensor) -> Tensor:
         """Mean loss of one batch, forward only, through every stage (each rank gets it): evaluation."""
         self._pending = []
-        shape = (x.shape[0], x.shape[1], self.d_model)
+        shape = self.hidden_shape(run, x.shape[0], x.shape[1])
         h = x if self.is_first else self._recv(self.prev, shape, run.device)
         with run.tensor_parallel.loss_context(), run.precision.autocast():
             out = run.model(h)
@@ -286,7 +299,7 @@ class OurPipeline(PipelineParallel):
         x, y = run.micro_batch("train", step, 0)
         m = self.microbatches
         xs, ys = x.chunk(m), y.chunk(m)
-        shape = (xs[0].shape[0], xs[0].shape[1], self.d_model)
+        shape = self.hidden_shape(run, xs[0].shape[0], xs[0].shape[1])
         ops = schedule_ops(self.schedule, self.stage, self.pp, m)
         inputs: dict[int, Tensor] = {}
         outputs: dict[int, Tensor] = {}

@@ -10,7 +10,7 @@ forward-only path (`PipelineParallel.loss`).
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from core.distributed.pipeline import PipelineParallel
 
@@ -23,6 +23,32 @@ def available_schedules() -> tuple[str, ...]:
     import torch.distributed.pipelining as pipelining
 
     return tuple(n for n in SINGLE_STAGE if hasattr(pipelining, n))
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity forward; makes the gradient contiguous (torch's stage sends it as it comes)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+class _ContiguousStage(nn.Module):
+    """The stage's module, with its output and its input's gradient contiguous: gloo and NCCL send only contiguous
+    tensors, and sequence parallelism leaves the hidden state transposed (a view)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.is_floating_point() and x.requires_grad:
+            x = _ContiguousGrad.apply(x)
+        return self.module(x).contiguous()
 
 
 class TorchPipeline(PipelineParallel):
@@ -43,10 +69,10 @@ class TorchPipeline(PipelineParallel):
         # inference round trip)
         # the hidden state requires grad: the stage reads from the examples which tensors get gradients (none
         # is received for an output, or sent for an input, that does not)
-        hidden = torch.empty((rows, x.shape[1], self.d_model), device=dev, requires_grad=True)
+        hidden = torch.empty(self.hidden_shape(run, rows, x.shape[1]), device=dev, requires_grad=True)
         inp = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=dev) if self.is_first else hidden
         out = torch.empty((rows, x.shape[1], run.model_cfg.vocab_size), device=dev) if self.is_last else hidden
-        stage = pipelining.PipelineStage(run.model, self.stage, self.pp, dev, input_args=(inp,), output_args=out,
+        stage = pipelining.PipelineStage(_ContiguousStage(run.model), self.stage, self.pp, dev, input_args=(inp,), output_args=out,
                                          group=self.group)
         cls = getattr(pipelining, self.schedule)
         self._schedule = cls(stage, self.microbatches, loss_fn=run.tensor_parallel.loss, scale_grads=True)
