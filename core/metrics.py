@@ -1,7 +1,8 @@
 """Every number the trainer reports, computed in one place: FLOPs, MFU/HFU, memory, throughput.
 
 FLOP convention (PaLM, appendix B): per token, model FLOPs = 6 N + 12 L d T, where N is
-every parameter (embedding and LM head included), L layers, d = d_model, T the sequence
+every parameter (embedding and LM head included; for a mixture of experts the parameters one token uses,
+`ModelConfig.active_params`: top_k experts, router, shared expert and the rest), L layers, d = d_model, T the sequence
 length. The 12 L d T term counts attention's two T x T matmuls forward and backward as
 if non-causal (PaLM's choice, used by the reference anchors); `causal=True` halves it
 (6 L d T), counting only the lower triangle a causal kernel computes.
@@ -48,12 +49,12 @@ def peak_flops(device: torch.device, dtype: str, tf32: bool, override: float | s
 def model_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False) -> float:
     """PaLM model FLOPs per token, forward + backward: 6 N + 12 L d T (6 L d T if causal)."""
     attn = 12 * cfg.n_layers * cfg.d_model * seq_len
-    return 6.0 * cfg.num_params() + (attn / 2 if causal else attn)
+    return 6.0 * cfg.active_params() + (attn / 2 if causal else attn)
 
 
 def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, checkpointed_blocks: int, causal: bool = False) -> float:
     """Extra forward FLOPs per token spent recomputing `checkpointed_blocks` blocks in backward."""
-    per_block_params = (cfg.num_params(include_embedding=False) - cfg.d_model - cfg.vocab_size * cfg.d_model) / cfg.n_layers
+    per_block_params = (cfg.active_params(include_embedding=False) - cfg.d_model - cfg.vocab_size * cfg.d_model) / cfg.n_layers
     attn = 4 * cfg.d_model * seq_len
     return checkpointed_blocks * (2.0 * per_block_params + (attn / 2 if causal else attn))
 

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from core.attention import AttentionImpl, SDPAAttention
 from core.errors import require
+from core.moe import MoEFeedForward
 from core.nvtx import nvtx_range
 
 # init_weight(module, draw): initialise module.weight (or this rank's part of it) by calling draw(full) once
@@ -43,6 +44,13 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     name: str = "custom"
+    # mixture of experts (docs/moe.md); n_experts 0 keeps the dense SwiGLU and ignores the other keys
+    n_experts: int = 0
+    top_k: int = 2
+    capacity_factor: Optional[float] = None  # None: dropless; else at most ceil(cf * tokens * top_k / E) per expert
+    shared_expert: bool = False              # one dense SwiGLU (moe_d_ff wide) every token also goes through
+    moe_d_ff: Optional[int] = None           # each expert's hidden width; None: d_ff
+    aux_loss_coef: float = 0.01              # weight of the load-balancing loss in the training loss
 
     def __post_init__(self) -> None:
         for key in ("d_model", "d_ff", "n_layers", "n_heads", "vocab_size", "context_length"):
@@ -58,6 +66,26 @@ class ModelConfig:
         require(kv > 0 and self.n_heads % kv == 0, "model.n_kv_heads",
                 f"{kv} kv heads do not divide {self.n_heads} query heads (GQA groups must be whole)",
                 "choose model.n_kv_heads dividing model.n_heads (or null for multi-head attention)")
+        self._validate_moe()
+
+    def _validate_moe(self) -> None:
+        e = self.n_experts
+        require(isinstance(e, int) and e >= 0, "model.n_experts", f"must be a non-negative integer, got {e!r}",
+                "set model.n_experts to 0 (dense) or the number of experts")
+        if e == 0:
+            return
+        require(isinstance(self.top_k, int) and 1 <= self.top_k <= e, "model.top_k",
+                f"{self.top_k!r} experts per token is not between 1 and model.n_experts={e}",
+                f"set model.top_k to an integer in 1..{e}")
+        cf = self.capacity_factor
+        require(cf is None or (isinstance(cf, (int, float)) and cf > 0), "model.capacity_factor",
+                f"must be null (dropless) or a positive number, got {cf!r}", "set model.capacity_factor=null or e.g. 1.25")
+        require(self.moe_d_ff is None or (isinstance(self.moe_d_ff, int) and self.moe_d_ff > 0), "model.moe_d_ff",
+                f"must be null (= d_ff) or a positive integer, got {self.moe_d_ff!r}", "set model.moe_d_ff")
+        require(isinstance(self.aux_loss_coef, (int, float)) and self.aux_loss_coef >= 0, "model.aux_loss_coef",
+                f"must be a non-negative number, got {self.aux_loss_coef!r}", "set model.aux_loss_coef, e.g. 0.01")
+        require(isinstance(self.shared_expert, bool), "model.shared_expert",
+                f"must be true or false, got {self.shared_expert!r}", "set model.shared_expert=true or false")
 
     @property
     def head_dim(self) -> int:
@@ -67,11 +95,27 @@ class ModelConfig:
     def kv_heads(self) -> int:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
+    @property
+    def expert_d_ff(self) -> int:
+        """Each expert's hidden width (and the shared expert's)."""
+        return self.d_ff if self.moe_d_ff is None else self.moe_d_ff
+
     def num_params(self, include_embedding: bool = True) -> int:
         """Exact parameter count of `TransformerLM(self)` (tested against the module)."""
+        return self._count(include_embedding, self.n_experts)
+
+    def active_params(self, include_embedding: bool = True) -> int:
+        """Parameters one token's forward uses: `num_params` with only top_k experts per block (plus the router
+        and shared expert); equal to `num_params` for a dense model."""
+        return self._count(include_embedding, self.top_k if self.n_experts else 0)
+
+    def _count(self, include_embedding: bool, experts: int) -> int:
         d, e = self.d_model, self.head_dim
         attn = d * (self.n_heads * e) + 2 * d * (self.kv_heads * e) + (self.n_heads * e) * d
-        ffn = 3 * d * self.d_ff
+        if self.n_experts:  # router, `experts` experts, optional shared expert
+            ffn = d * self.n_experts + (experts + int(self.shared_expert)) * 3 * d * self.expert_d_ff
+        else:
+            ffn = 3 * d * self.d_ff
         block = attn + ffn + 2 * d
         total = self.n_layers * block + d + self.vocab_size * d  # + final norm + lm head
         return total + (self.vocab_size * d if include_embedding else 0)
@@ -169,7 +213,9 @@ class TransformerBlock(nn.Module):
         self.ln1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = CausalSelfAttention(cfg, attention, rope)
         self.ln2 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = SwiGLU(cfg.d_model, cfg.d_ff)
+        self.ffn = SwiGLU(cfg.d_model, cfg.d_ff) if not cfg.n_experts else MoEFeedForward(
+            cfg.d_model, cfg.expert_d_ff, cfg.n_experts, cfg.top_k, cfg.capacity_factor,
+            SwiGLU(cfg.d_model, cfg.expert_d_ff) if cfg.shared_expert else None)
         self.activation_checkpoint = False  # set by core.activation_checkpointing.apply
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
@@ -215,6 +261,19 @@ class TransformerLM(nn.Module):
             return x
         return self.lm_head(self.final_norm(x))  # (B, T, V)
 
+    def aux_loss(self) -> Tensor | None:
+        """The sum of the MoE layers' load-balancing losses from the last forward (None for a dense model)."""
+        losses = [m.aux_loss for m in self.modules() if isinstance(m, MoEFeedForward) and m.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else None
+
+    def router_stats(self) -> dict[str, float]:
+        """The MoE layers' routing statistics of the last forward: mean dropped share, worst max load / mean."""
+        stats = [m.stats for m in self.modules() if isinstance(m, MoEFeedForward) and m.stats]
+        if not stats:
+            return {}
+        return {"moe_dropped_fraction": float(torch.stack([s["moe_dropped_fraction"] for s in stats]).mean()),
+                "moe_max_load": float(torch.stack([s["moe_max_load"] for s in stats]).max())}
+
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
         """Truncated-normal linears/embedding (std 0.02, output projections scaled by depth), unit norms.
@@ -245,11 +304,26 @@ class TransformerLM(nn.Module):
         for name, module in self.named_modules():
             drawn_elsewhere = isinstance(module, Dropped) and module.full_weight_shape is not None
             if isinstance(module, (nn.Linear, nn.Embedding)) or drawn_elsewhere:
-                s = out_std if name.endswith(("output_proj", "ffn.w2")) else std
+                s = out_std if name.endswith(("output_proj", "ffn.w2", "ffn.shared.w2")) else std
                 init_weight(module, lambda t, s=s: nn.init.trunc_normal_(t, mean=0.0, std=s, a=-3 * s, b=3 * s,
                                                                          generator=gen))
+            elif isinstance(module, MoEFeedForward):
+                # the 3-D expert weights, before the router (named_modules yields the parent first); each goes
+                # through `init_weight` like a Linear's, so a sharding strategy keeps only its part
+                for p, s in ((module.w1, std), (module.w3, std), (module.w2, out_std)):
+                    init_weight(_WeightSlot(p), lambda t, s=s: nn.init.trunc_normal_(
+                        t, mean=0.0, std=s, a=-3 * s, b=3 * s, generator=gen))
             elif isinstance(module, (RMSNorm, RotaryEmbedding)):
                 module.reset_parameters()
+
+
+class _WeightSlot(nn.Module):
+    """A parameter presented as a module's `weight`, so the `WeightInit` protocol (built for Linear/Embedding)
+    initialises a 3-D expert weight too; transient, never part of the model."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
 
 
 class Dropped(nn.Module):

@@ -247,14 +247,34 @@ def _finite(x: Any) -> Any:
 
 
 # ---- pieces (public: the tests check each against exact counts) ----------------------------------
+def ffn_hidden(m) -> int:
+    """Feed-forward hidden units one token computes: d_ff, or a MoE's top_k experts plus its shared expert."""
+    return m.d_ff if not getattr(m, "n_experts", 0) else (m.top_k + int(m.shared_expert)) * m.expert_d_ff
+
+
+def expert_numel(m) -> int:
+    """Parameters of one block's routed experts (0 for a dense model): 3-D weights, not nn.Linear ones."""
+    return 3 * m.n_experts * m.d_model * m.expert_d_ff if getattr(m, "n_experts", 0) else 0
+
+
 def linear_shapes(m) -> list[tuple[str, int, int]]:
-    """(name, in_features, out_features) of every matmul weight, in forward order."""
+    """(name, in_features, out_features) of every matmul weight, in forward order. A MoE block lists its router,
+    its routed experts as one token's share (`ffn.experts.*`: the top_k experts' hidden units side by side,
+    dropless; what the matmuls compute, not what is stored: `expert_numel`) and its shared expert."""
     d, e, f = m.d_model, m.head_dim, m.d_ff
     out = []
     for i in range(m.n_layers):
         out += [(f"blocks.{i}.attn.qkv_proj", d, (m.n_heads + 2 * m.kv_heads) * e),
-                (f"blocks.{i}.attn.output_proj", m.n_heads * e, d),
-                (f"blocks.{i}.ffn.w1", d, f), (f"blocks.{i}.ffn.w3", d, f), (f"blocks.{i}.ffn.w2", f, d)]
+                (f"blocks.{i}.attn.output_proj", m.n_heads * e, d)]
+        if getattr(m, "n_experts", 0):
+            kf, fe = m.top_k * m.expert_d_ff, m.expert_d_ff
+            out += [(f"blocks.{i}.ffn.router", d, m.n_experts), (f"blocks.{i}.ffn.experts.w1", d, kf),
+                    (f"blocks.{i}.ffn.experts.w3", d, kf), (f"blocks.{i}.ffn.experts.w2", kf, d)]
+            if m.shared_expert:
+                out += [(f"blocks.{i}.ffn.shared.w1", d, fe), (f"blocks.{i}.ffn.shared.w3", d, fe),
+                        (f"blocks.{i}.ffn.shared.w2", fe, d)]
+        else:
+            out += [(f"blocks.{i}.ffn.w1", d, f), (f"blocks.{i}.ffn.w3", d, f), (f"blocks.{i}.ffn.w2", f, d)]
     out.append(("lm_head", d, m.vocab_size))
     return out
 
@@ -282,7 +302,22 @@ def block_activation_bytes(m, batch: int, seq: int, autocast: bool) -> int:
     attn = a * btd + int(r * a * btd) + int((1 + 2 * r) * a * btd) + a * btd + 4 * B * H * T
     oproj = a * btd
     ffn = 4 * a * btf
+    if getattr(m, "n_experts", 0):
+        ffn = moe_activation_bytes(m, B, T, autocast)
     return int(norms + lin_inputs + rope + attn + oproj + ffn)
+
+
+def moe_activation_bytes(m, batch: int, seq: int, autocast: bool) -> int:
+    """An estimate of what a dropless MoE feed-forward saves beyond its input norm (tested within 10%): per token
+    the router's fp32 probabilities and top-k weights, the k copies' int64 indices, each copy's expert input (twice
+    cast under autocast), its SwiGLU hidden units (4 tensors like the dense SwiGLU) and output; the shared
+    expert like a dense SwiGLU."""
+    bt, D, E, k, Fe = batch * seq, m.d_model, m.n_experts, m.top_k, m.expert_d_ff
+    a = 2 if autocast else 4
+    router = (a * D if autocast else 0) + 4 * E + (4 + 8) * k + 4
+    copies = k * ((2 * a if autocast else 4) * D + 4 * a * Fe + a * D + 4 + 2 * 8)
+    shared = (2 * a * D if autocast else 0) + 4 * a * Fe if m.shared_expert else 0
+    return int(bt * (router + copies + shared))
 
 
 def head_activation_bytes(m, batch: int, seq: int, autocast: bool) -> int:
@@ -416,11 +451,13 @@ class Job:
 
     @property
     def linear_numel(self) -> int:
-        return sum(self.layout.linear_weights)
+        # autocast casts a MoE's 3-D expert weights for its matmuls like the Linears' (per expert slice)
+        return sum(self.layout.linear_weights) + expert_numel(self.model) * self.layout.n_blocks
 
     @property
     def block_linear_numel(self) -> int:
-        return sum(i * o for n, i, o in linear_shapes(self.model) if n.startswith("blocks.0."))
+        return sum(i * o for n, i, o in linear_shapes(self.model)
+                   if n.startswith("blocks.0.") and ".experts." not in n) + expert_numel(self.model)
 
 
 def read_job(cfg: DictConfig) -> Job:
@@ -576,7 +613,7 @@ def predict_time(job: Job, prof: StrategyProfile, colls: list[Collective], spec:
     attn_ms = attn_fl / (peak * spec.attention_efficiency) * 1e3 * accum / tp
     # elementwise traffic per block (bytes per BTD / BTF element, forward; backward ~2x):
     # norms 56, linear-input casts 18 (autocast), RoPE 32, residual adds 20, transposes 4; SwiGLU 10/BTF
-    btd, btf = mb * seq * m.d_model, mb * seq * m.d_ff
+    btd, btf = mb * seq * m.d_model, mb * seq * ffn_hidden(m)
     fwd_elem = (130 if job.autocast else 112) * btd + 10 * btf
     elem_bytes = m.n_layers * fwd_elem * 3 + n_ck * fwd_elem + 30 * mb * seq * m.vocab_size
     wcast = 0

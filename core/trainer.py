@@ -92,7 +92,11 @@ class Run:
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self.precision.autocast():
             logits = self.model(x)
-        return self.tensor_parallel.loss(logits, y)
+        loss = self.tensor_parallel.loss(logits, y)
+        if self.model_cfg.n_experts and torch.is_grad_enabled():
+            # MoE: the routers' load-balancing loss joins what training minimises (evaluation stays cross-entropy)
+            loss = loss + self.model_cfg.aux_loss_coef * self.raw_model.aux_loss()
+        return loss
 
     def forward_backward(self, step: int) -> torch.Tensor:
         """All micro-steps of one optimizer step: returns this rank's mean loss (detached). Under pipeline
@@ -356,7 +360,7 @@ def _log_record(run: Run, step: int, loss: float, norm: float | None, step_s: fl
             "step_time_ms": step_s * 1e3, "tokens_per_s": run.tokens_per_step / step_s,
             "mfu": run.flops.mfu(step_s), "hfu": run.flops.hfu(step_s),
             "peak_mem_gib": peak_memory_gib(run.device), "skipped_steps": run.precision.skipped_steps,
-            **_comm_metrics(run), **run.pipeline.step_metrics()}
+            **_comm_metrics(run), **run.pipeline.step_metrics(), **run.raw_model.router_stats()}
 
 
 def _comm_metrics(run: Run) -> dict[str, float]:

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from core import stop
 from core.distributed.mesh import ParallelMesh, dist_env_present
-from core.errors import ConfigError
+from core.errors import ConfigError, require
 from core.summary import write_summary
 from launchers.output_paths import check_output_paths
 
@@ -110,8 +110,13 @@ def validate(cfg: DictConfig, check_devices: bool = True) -> ParallelMesh:
     from core.trainer import validate_batch
 
     check_complete(cfg)
-    instantiate(cfg.model)
+    model = instantiate(cfg.model)
     mesh: ParallelMesh = instantiate(cfg.mesh)
+    # a MoE model's 3-D expert weights have no tensor-parallel split, nor a pipeline stage's aux-loss path, yet
+    for axis, degree in (("tp", mesh.tp), ("pp", mesh.pp)):
+        require(not (model.n_experts and degree > 1), "model.n_experts",
+                f"a mixture-of-experts model cannot run with mesh.{axis}={degree} yet",
+                f"set mesh.{axis}=1 or model.n_experts=0 (a dense model)")
     if check_devices:
         mesh.validate_devices()
     strategy = instantiate(cfg.parallelism)
