@@ -292,8 +292,8 @@ class TransformerLM(nn.Module):
         (the generator is sequential), and store the module's part: a caller can allocate, shard and free one
         full weight at a time. A `Dropped` weight (another pipeline stage holds it) is drawn and thrown away, so
         the weights after it still get one process's values. Default: `init_part` (in place, or this rank's
-        tensor-parallel part). Norms and RoPE tables are reset in place, so they must be materialised before. The generator lives on the device of
-        `lm_head.weight` (the CPU while that is on the meta device)."""
+        tensor-parallel part). Norms and RoPE tables are reset in place, so they must be materialised before.
+        The generator lives on the device of `lm_head.weight` (the CPU while that is on the meta device)."""
         init_weight = init_weight if init_weight is not None else init_part
         gen = None
         if seed is not None:

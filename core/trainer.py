@@ -3,8 +3,8 @@
 `train(cfg)` builds every plugin from the composed config (`hydra.utils.instantiate`
 on each group's `_target_`), then trains, benchmarks or profiles. The order of
 assembly is the documentation: model on the meta device -> the parallelize step (core/parallelize.py: tensor
-parallelism -> pipeline stage split -> activation checkpointing -> compile -> strategy, which materialises this rank's shards) ->
-optimizer -> resume.
+parallelism -> pipeline stage split -> activation checkpointing -> compile -> strategy, which materialises this
+rank's shards) -> optimizer -> resume.
 """
 from __future__ import annotations
 
@@ -388,12 +388,18 @@ def _stop_reason(run: Run, step: int, is_log: bool) -> tuple[str | None, signal.
 
 
 def _save(run: Run, ckpt: Checkpointer, step: int) -> None:
-    if not run.tensor_parallel.can_checkpoint(run.strategy.name):  # refused up front unless a signal asks
+    # configs without a checkpoint format are refused up front; a stop signal still asks, and is told why not
+    missing = None
+    if run.pipeline.active:
+        missing = "pipeline parallelism"
+    elif not run.tensor_parallel.can_checkpoint(run.strategy.name):
+        missing = f"{run.tensor_parallel.describe()} tensor parallelism under parallelism={run.strategy.name}"
+    if missing is not None:
         if run.mesh.is_main:
-            print(f"not saving step {step}: {run.tensor_parallel.describe()} tensor parallelism under "
-                  f"parallelism={run.strategy.name} has no checkpoint format yet", flush=True)
+            print(f"not saving step {step}: {missing} has no checkpoint format yet", flush=True)
         return
-    ckpt.save(step, run.tensor_parallel.checkpoint_view(run.strategy, run.mesh), run.raw_model, run.optimizer, {"precision": run.precision.state_dict()})
+    ckpt.save(step, run.tensor_parallel.checkpoint_view(run.strategy, run.mesh), run.raw_model, run.optimizer,
+              {"precision": run.precision.state_dict()})
 
 
 def _train_loop(run: Run) -> dict[str, Any]:
