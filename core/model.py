@@ -239,10 +239,14 @@ class TransformerLM(nn.Module):
         # parallelism shards it over tp): the positions are those of the whole sequence
         self.hidden_seq_parts = 1
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, layers: range | None = None) -> Tensor:
         """Logits of `tokens`; a pipeline stage (some modules `Dropped`) maps its input to its output instead:
-        a later stage takes the hidden state (B, T, D), an earlier one returns it."""
-        first = not isinstance(self.token_embeddings, Dropped)
+        a later stage takes the hidden state (B, T, D), an earlier one returns it. `layers` runs only those blocks
+        (one chunk of an interleaved pipeline stage): it embeds only if it starts at block 0 and applies the head
+        only if it ends at the last block."""
+        chunk_first = layers is None or layers.start == 0
+        chunk_last = layers is None or layers.stop == len(self.blocks)
+        first = not isinstance(self.token_embeddings, Dropped) and chunk_first
         T = tokens.shape[1] * (1 if first else self.hidden_seq_parts)
         require(T <= self.cfg.context_length, "data.seq_len",
                 f"sequence of {T} tokens is longer than model.context_length={self.cfg.context_length}",
@@ -250,14 +254,14 @@ class TransformerLM(nn.Module):
         positions = torch.arange(T, device=tokens.device)
         x = self.token_embeddings(tokens) if first else tokens  # (B, T, D)
         for i, block in enumerate(self.blocks):
-            if isinstance(block, Dropped):
+            if isinstance(block, Dropped) or (layers is not None and i not in layers):
                 continue
             with nvtx_range(f"block{i}"):
                 if block.activation_checkpoint and torch.is_grad_enabled():
                     x = checkpoint(block, x, positions, use_reentrant=False)
                 else:
                     x = block(x, positions)
-        if isinstance(self.lm_head, Dropped):
+        if isinstance(self.lm_head, Dropped) or not chunk_last:
             return x
         return self.lm_head(self.final_norm(x))  # (B, T, V)
 

@@ -554,16 +554,17 @@ def _in_flight(job: Job) -> int:
         return 1
     from core.distributed.pipeline import in_flight
 
-    return in_flight(job.pipeline.schedule, job.mesh.pp, job.grad_accum)
+    return in_flight(job.pipeline.schedule, job.mesh.pp, job.grad_accum, getattr(job.pipeline, "virtual", 1))
 
 
 def pipeline_bubble(job: Job) -> float:
-    """The idle share of a step of GPipe / 1F1B with equal stages, (p-1)/(m+p-1); 0 without a pipeline."""
+    """The idle share of a step with equal stages (`core.distributed.pipeline.bubble_fraction`: GPipe / 1F1B
+    (p-1)/(m+p-1), interleaved (p-1)/(vm+p-1), ZB-H1 (p-1)/(3m+p-1)); 0 without a pipeline."""
     if job.pipeline is None:
         return 0.0
     from core.distributed.pipeline import bubble_fraction
 
-    return bubble_fraction(job.mesh.pp, job.grad_accum)
+    return bubble_fraction(job.mesh.pp, job.grad_accum, job.pipeline.schedule, getattr(job.pipeline, "virtual", 1))
 
 
 def predict_communication(job: Job, prof: StrategyProfile, spec: Optional[DeviceSpec]) -> list[Collective]:
@@ -692,7 +693,7 @@ def plan(cfg: DictConfig) -> Plan:
         notes.append(dev_note)
     if job.pipeline is not None:
         notes.append(f"pipeline: {mesh.pp} stages, {job.pipeline.schedule}, {job.grad_accum} micro-batches of "
-                     f"{job.micro_batch} sequences: bubble (p-1)/(m+p-1) = {pipeline_bubble(job):.2f}; memory is the "
+                     f"{job.micro_batch} sequences: bubble {pipeline_bubble(job):.2f}; memory is the "
                      f"last stage's, activations of {_in_flight(job)} micro-batches in flight")
     if job.autocast and prof.autocast_weight_copies:
         notes.append("autocast keeps a bf16 copy of every linear weight until its backward "

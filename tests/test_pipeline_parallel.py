@@ -1,7 +1,8 @@
 """Pipeline parallelism on CPU ranks (gloo, fp32) against one process: each stage starts from one process's
-weights, and every schedule (ours: GPipe, 1F1B; torch.distributed.pipelining's: ScheduleGPipe, Schedule1F1B)
-trains to the same losses and gradient norms step by step, alone (pp2) and under data parallelism (dp2 x pp2).
-Our 1F1B's recorded timeline follows its definition; impossible configurations are refused in one line.
+weights, and every schedule (ours: GPipe, 1F1B, interleaved 1F1B, ZB-H1; torch.distributed.pipelining's:
+ScheduleGPipe, Schedule1F1B) trains to the same losses and gradient norms step by step, alone (pp2) and under data
+parallelism (dp2 x pp2). Our schedules' recorded timelines follow their definitions; impossible configurations
+are refused in one line.
 
 Every configuration is built by the real trainer (`core.trainer.build` on a composed config); one spawn runs
 several configurations one after another (starting ranks costs seconds)."""
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.distributed.pipeline import schedule_ops
+from core.distributed.pipeline import schedule_ops, stage_layers
 from core.errors import ConfigError
 from tests.dist_utils import run_ranks
 from tests.utils import compose_cfg
@@ -29,6 +30,12 @@ PP2 = {  # mesh=dp1_pp2, train.batch_size=4: 4 micro-batches of one sequence
     "torch_gpipe": ["pipeline=torch", "pipeline.schedule=ScheduleGPipe"],
     "torch_1f1b": ["pipeline=torch", "pipeline.schedule=Schedule1F1B"],
 }
+PP2_SPLIT = {  # as PP2; interleaved: 2 chunks of one block per stage (stage 0 blocks 0 and 2, stage 1 1 and 3)
+    "ours_interleaved_1f1b": ["pipeline=ours", "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2"],
+    "ours_zb_h1": ["pipeline=ours", "pipeline.schedule=zb_h1"],
+}
+# configurations whose recorded order is checked against `schedule_ops`: (schedule, virtual stages)
+ORDERED = {"ours_1f1b": ("1f1b", 1), "ours_interleaved_1f1b": ("interleaved_1f1b", 2), "ours_zb_h1": ("zb_h1", 1)}
 FOUR_RANKS = {  # mesh=dp2_pp2, train.batch_size=8: 4 sequences per dp rank, 2 micro-batches; or tp2 x pp2
     "ours_1f1b_ddp_bucketed": ["pipeline=ours", "pipeline.schedule=1f1b", "parallelism=ddp_bucketed"],
     "torch_gpipe_ddp_bucketed": ["pipeline=torch", "pipeline.schedule=ScheduleGPipe", "parallelism=ddp_bucketed"],
@@ -91,12 +98,14 @@ def _worker(rank: int, world: int, configs: dict, extra: list, ref_path: str, tm
             assert torch.equal(w, want_w), f"{name} {pname}: initial weight differs from one process's"
             assert torch.allclose(out["grads"][pname], want_g, rtol=1e-4, atol=1e-6), \
                 f"{name} {pname}: gradient max error {(out['grads'][pname] - want_g).abs().max():.3e}"
-        if name == "ours_1f1b":
-            # the recorded order is the definition's: pp-1-r warm-up forwards, then alternating, then cool-down
+        if name in ORDERED and "mesh=dp1_pp2" in extra:
+            # the recorded order is the definition's (1F1B: pp-1-r warm-up forwards, then alternating, then
+            # cool-down; the others as `schedule_ops` defines them, checked in the tests below)
+            schedule, virtual = ORDERED[name]
             order = [(op, i) for op, i, _, _ in out["timeline"]]
-            assert order == schedule_ops("1f1b", out["stage"], 2, 4), f"stage {out['stage']}: {order}"
+            assert order == schedule_ops(schedule, out["stage"], 2, 4, virtual), f"{name} stage {out['stage']}: {order}"
             assert all(start <= end for _, _, start, end in out["timeline"])
-            if rank == 0:  # the run directory gets every rank's timeline (and its picture)
+            if rank == 0 and name == "ours_1f1b":  # the run directory gets every rank's timeline (and its picture)
                 import json
 
                 written = json.loads(out["saved"].read_text())
@@ -116,10 +125,90 @@ def test_1f1b_order_is_warm_up_then_alternating():
     assert schedule_ops("gpipe", 1, 2, 3) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]
 
 
+def test_zb_h1_order_defers_each_weight_gradient_after_its_backward():
+    """ZB-H1 is 1F1B's order of F and B; stage r runs W(i) right after B(i + r), so every W follows its own B and
+    exactly W(m-1-r) .. W(m-1) run after the stage's last B (its tail bubble); at most p micro-batches in flight."""
+    p, m = 4, 8
+    for r in range(p):
+        ops = schedule_ops("zb_h1", r, p, m)
+        assert [o for o in ops if o[0] != "W"] == schedule_ops("1f1b", r, p, m)
+        assert sorted(i for op, i in ops if op == "W") == list(range(m))
+        for i in range(m):
+            assert ops.index(("B", i)) < ops.index(("W", i)), f"stage {r}: W{i} before B{i}"
+        last_b = max(n for n, (op, _) in enumerate(ops) if op == "B")
+        assert ops[last_b + 1:] == [("W", i) for i in range(m - 1 - r, m)], f"stage {r}: {ops[last_b:]}"
+        held, most = set(), 0  # micro-batches whose graph is alive: from F until W
+        for op, i in ops:
+            held = held | {i} if op == "F" else held - {i} if op == "W" else held
+            most = max(most, len(held))
+        assert most <= p, f"stage {r} holds {most} micro-batches"
+    assert schedule_ops("zb_h1", 1, 2, 4) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("W", 0), ("F", 2), ("B", 2),
+                                              ("W", 1), ("F", 3), ("B", 3), ("W", 2), ("W", 3)]
+
+
+def test_interleaved_order_is_megatrons_and_needs_no_matching():
+    """Megatron's interleaved 1F1B on pp2 x v2 with 4 micro-batches: stage r warms up with 2(p-1-r) + (v-1)p
+    forwards over (micro-batch, chunk) units taken in groups of p; backwards take the chunks in reverse. Chunk c of
+    stage r holds block c*p + r. Every stage's receives, in its own order, meet its neighbours' sends in the order
+    they were sent (so neither tags nor shape exchange are needed) and the schedules cannot deadlock."""
+    assert stage_layers(4, 2, 0, 2) == [0, 2] and stage_layers(4, 2, 1, 2) == [1, 3]
+    assert stage_layers(8, 2, 1, 2) == [2, 3, 6, 7]
+    assert schedule_ops("interleaved_1f1b", 0, 2, 4, 2) == [
+        ("F0", 0), ("F0", 1), ("F1", 0), ("F1", 1), ("F0", 2), ("B1", 0), ("F0", 3), ("B1", 1), ("F1", 2),
+        ("B0", 0), ("F1", 3), ("B0", 1), ("B1", 2), ("B1", 3), ("B0", 2), ("B0", 3)]
+    assert schedule_ops("interleaved_1f1b", 1, 2, 4, 2)[:4] == [("F0", 0), ("F0", 1), ("F1", 0), ("B1", 0)]
+    for p, v, m in [(2, 2, 4), (2, 3, 2), (4, 2, 8), (4, 3, 4), (3, 2, 6)]:
+        ops = {r: schedule_ops("interleaved_1f1b", r, p, m, v) for r in range(p)}
+        for r in range(p):
+            assert sorted(ops[r]) == sorted((f"{k}{c}", i) for k in "FB" for c in range(v) for i in range(m))
+        links: dict = {}  # (sender, receiver) -> messages in flight, oldest first
+        done = {r: 0 for r in range(p)}
+        moved = True
+        while moved:
+            moved = False
+            for r in range(p):
+                while done[r] < len(ops[r]):
+                    op, i = ops[r][done[r]]
+                    s = int(op[1:]) * p + r  # the virtual stage
+                    fwd = op[0] == "F"
+                    if (s > 0 if fwd else s < p * v - 1):  # receives first: the activation or its gradient
+                        queue = links.get(((r - 1) % p if fwd else (r + 1) % p, r), [])
+                        if not queue:
+                            break
+                        assert queue.pop(0) == (op[0], i, s), f"p{p} v{v} m{m} stage {r}: {op}{i} got another"
+                    if (s < p * v - 1 if fwd else s > 0):
+                        dest = (r + 1) % p if fwd else (r - 1) % p
+                        links.setdefault((r, dest), []).append((op[0], i, s + 1 if fwd else s - 1))
+                    done[r] += 1
+                    moved = True
+        assert all(done[r] == len(ops[r]) for r in range(p)), f"p{p} v{v} m{m}: deadlock at {done}"
+
+
+def test_planner_bubble_of_interleaved_and_zb_h1():
+    """Interleaved: (p-1)/(v m + p-1) (Megatron); ZB-H1 with equal F, B, W parts: (p-1)/(3m + p-1)."""
+    from core.planner import plan
+
+    base = ["model=small", "precision=bf16", "planner.device=h100_sxm", "mesh=dp1_pp2", "train.batch_size=16",
+            "pipeline.microbatches=8"]
+    inter = plan(compose_cfg(base + ["pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2"])).to_dict()
+    zb = plan(compose_cfg(base + ["pipeline.schedule=zb_h1"])).to_dict()
+    ofob = plan(compose_cfg(base + ["pipeline.schedule=1f1b"])).to_dict()
+    assert inter["pp_bubble_fraction"] == pytest.approx(1 / 17)
+    assert zb["pp_bubble_fraction"] == pytest.approx(1 / 25)
+    assert zb["memory"]["activations"] == ofob["memory"]["activations"]  # the same p micro-batches in flight
+
+
 def test_pp2_schedules_match_one_process(tmp_path):
     ref = _reference(tmp_path, 4)
     run_ranks(_worker, world_size=2, timeout_s=120,
               args=(PP2, ["mesh=dp1_pp2", "train.batch_size=4", "pipeline.microbatches=4"], ref, str(tmp_path)))
+
+
+def test_pp2_interleaved_and_zb_h1_match_one_process(tmp_path):
+    ref = _reference(tmp_path, 4)
+    run_ranks(_worker, world_size=2, timeout_s=120,
+              args=(PP2_SPLIT, ["mesh=dp1_pp2", "train.batch_size=4", "pipeline.microbatches=4"], ref,
+                    str(tmp_path)))
 
 
 def test_dp2_pp2_and_tp2_pp2_match_one_process(tmp_path):
@@ -134,6 +223,11 @@ REFUSED = [  # (overrides beyond mesh=dp1_pp2, the key named)
     (["pipeline.microbatches=3"], "pipeline.microbatches"),
     (["train.grad_accum_steps=2"], "train.grad_accum_steps"),
     (["pipeline.schedule=interleaved"], "pipeline.schedule"),
+    (["pipeline.virtual_stages=2"], "pipeline.virtual_stages"),  # chunks without the interleaved schedule
+    (["pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2", "model.n_layers=6"],
+     "pipeline.virtual_stages"),  # 2 stages x 2 chunks do not split 6 blocks
+    (["pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2", "pipeline.microbatches=1"],
+     "pipeline.microbatches"),  # not a multiple of pp
     (["pipeline=torch", "pipeline.schedule=ScheduleInterleaved1F1B"], "pipeline.schedule"),
     (["mesh=dp2_pp2", "parallelism=zero1"], "parallelism"),
     (["mesh=dp2_pp2", "parallelism=torch_ddp"], "parallelism"),

@@ -8,11 +8,15 @@ one process's weights.
 
 Each rank's micro-step batch is cut into `microbatches` pieces that flow through the stages. `OurPipeline` runs
 them over torch.distributed point-to-point (`dist.batch_isend_irecv`; activations are (rows, seq_len, d_model)
-float32 tensors whose shape every rank knows from the batch, so no shape is exchanged) in one of two orders:
+float32 tensors whose shape every rank knows from the batch, so no shape is exchanged) in one of four orders
+(`schedule_ops` defines them exactly):
 
-    gpipe  every forward, then every backward                        (holds m micro-batches' activations)
-    1f1b   stage r: pp-1-r warm-up forwards, then one forward / one backward alternating, then the cool-down
-           backwards                                                  (holds at most pp-r micro-batches)
+    gpipe             every forward, then every backward             (holds m micro-batches' activations)
+    1f1b              stage r: pp-1-r warm-up forwards, then one forward / one backward alternating, then the
+                      cool-down backwards                            (holds at most pp-r micro-batches)
+    interleaved_1f1b  Megatron's virtual pipeline: v chunks per stage, 1F1B over (micro-batch, chunk) units
+    zb_h1             1F1B with each backward split into B (input gradient) and W (weight gradient), W deferred
+                      into the cool-down / bubble                     (holds at most pp micro-batches)
 
 `core.distributed.pipeline_torch.TorchPipeline` is the baseline: the same split under PyTorch's
 `torch.distributed.pipelining` schedules. The loss of each micro-batch is divided by their number, so the
@@ -40,18 +44,28 @@ from core.model import Dropped
 COMPOSES_WITH = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed")
 
 
-def stage_layers(n_layers: int, pp: int, stage: int) -> range:
-    """The blocks stage `stage` of `pp` keeps: a contiguous, equal share (pp divides n_layers)."""
-    per = n_layers // pp
-    return range(stage * per, (stage + 1) * per)
+def stage_layers(n_layers: int, pp: int, stage: int, virtual: int = 1) -> list[int]:
+    """The blocks stage `stage` of `pp` keeps. With `virtual` chunks per stage (interleaved 1F1B) the blocks are
+    cut into pp * virtual equal pieces and chunk c of the stage holds piece c * pp + stage (Megatron's
+    assignment), so a micro-batch visits every stage `virtual` times; with one chunk, a contiguous share."""
+    return [i for c in range(virtual) for i in chunk_layers(n_layers, pp, stage, virtual, c)]
 
 
-def split_stage(model: nn.Module, pp: int, stage: int) -> None:
-    """Keep stage `stage` of `pp` of a (meta-device) `TransformerLM` in place; the rest becomes `Dropped`."""
-    keep = stage_layers(model.cfg.n_layers, pp, stage)
+def chunk_layers(n_layers: int, pp: int, stage: int, virtual: int, chunk: int) -> range:
+    """The blocks of chunk `chunk` of stage `stage`: piece chunk * pp + stage of pp * virtual equal pieces."""
+    per = n_layers // (pp * virtual)
+    piece = chunk * pp + stage
+    return range(piece * per, (piece + 1) * per)
+
+
+def split_stage(model: nn.Module, pp: int, stage: int, virtual: int = 1) -> None:
+    """Keep stage `stage` of `pp` (its `virtual` chunks) of a (meta-device) `TransformerLM` in place; the rest
+    becomes `Dropped` (which still draws every dropped weight, in order, at initialisation)."""
+    keep = set(stage_layers(model.cfg.n_layers, pp, stage, virtual))
     for i, block in enumerate(model.blocks):
         if i not in keep:
             model.blocks[i] = Dropped.like(block)
+    # the first virtual stage (chunk 0 of stage 0) embeds, the last (chunk virtual-1 of stage pp-1) has the head
     if stage != 0:
         model.token_embeddings = Dropped.like(model.token_embeddings)
     if stage != pp - 1:
@@ -59,27 +73,72 @@ def split_stage(model: nn.Module, pp: int, stage: int) -> None:
         model.lm_head = Dropped.like(model.lm_head)
 
 
-def in_flight(schedule: str, pp: int, microbatches: int) -> int:
-    """Micro-batches whose activations the first stage holds at once: GPipe all m, 1F1B at most p."""
-    return microbatches if "gpipe" in schedule.lower() else min(pp, microbatches)
+def in_flight(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> int:
+    """Micro-batches whose activations the first stage holds at once: GPipe all m; 1F1B and ZB-H1 at most p
+    (ZB-H1 defers on stage r only r weight-gradient parts, so r + (p - r) = p); interleaved 1F1B its warm-up of
+    2(p-1) + (v-1)p chunk forwards plus one, each a 1/v share of the stage, rounded up."""
+    s = schedule.lower()
+    if "gpipe" in s:
+        return microbatches
+    if "interleaved" in s:
+        chunks = min(2 * (pp - 1) + (virtual - 1) * pp + 1, microbatches * virtual)
+        return min(-(-chunks // virtual), microbatches)
+    return min(pp, microbatches)
 
 
-def bubble_fraction(pp: int, microbatches: int) -> float:
-    """The idle share of a GPipe or 1F1B step with equal-cost stages: (p - 1) / (m + p - 1)."""
+def bubble_fraction(pp: int, microbatches: int, schedule: str = "1f1b", virtual: int = 1) -> float:
+    """The idle share of a step with equal-cost stages. GPipe and 1F1B: (p-1)/(m+p-1). Interleaved 1F1B
+    (Megatron): the bubble shrinks by v, (p-1)/(v*m + p-1). ZB-H1 with equal forward, input-gradient and
+    weight-gradient costs: each stage's p-1 bubble slots of F+B+W shrink to one part each, (p-1)/(3m + p-1)."""
+    s = schedule.lower()
+    if "interleaved" in s:
+        return (pp - 1) / (virtual * microbatches + pp - 1)
+    if "zb" in s:
+        return (pp - 1) / (3 * microbatches + pp - 1)
     return (pp - 1) / (microbatches + pp - 1)
 
 
-def schedule_ops(schedule: str, stage: int, pp: int, microbatches: int) -> list[tuple[str, int]]:
-    """The (op, micro-batch) order stage `stage` runs: op "F" (forward) or "B" (backward)."""
+def schedule_ops(schedule: str, stage: int, pp: int, microbatches: int, virtual: int = 1) -> list[tuple[str, int]]:
+    """The (op, micro-batch) order stage `stage` runs. Ops: "F" forward, "B" backward (the whole backward; under
+    zb_h1 only the input-gradient part), "W" the weight-gradient part (zb_h1); under interleaved_1f1b each op
+    names its chunk, "F1" = forward of chunk 1.
+
+    zb_h1 is 1F1B's order of F and B with each W run after a later B: stage r runs W(i) right after B(i + r)
+    (the later stages defer more, so their B's reach the earlier stages sooner), W(m-1-r) .. W(m-1) fill its
+    tail bubble after its last B, and r deferred W's plus 1F1B's p - r micro-batches keep at most p in flight
+    (1F1B's bound). interleaved_1f1b is Megatron's: the k-th forward is chunk
+    (k // p) % v of micro-batch (k // (p v)) p + k % p, backwards the same with the chunks reversed;
+    2(p-1-r) + (v-1)p warm-up forwards on stage r, then one forward / one backward, then the cool-down."""
     m = microbatches
     if schedule == "gpipe":
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    if schedule == "1f1b":
+    if schedule in ("1f1b", "zb_h1"):
         warm = min(pp - 1 - stage, m)
         ops = [("F", i) for i in range(warm)]
         for i in range(m - warm):
             ops += [("F", warm + i), ("B", i)]
-        return ops + [("B", i) for i in range(m - warm, m)]
+        ops += [("B", i) for i in range(m - warm, m)]
+        if schedule == "1f1b":
+            return ops
+        out: list[tuple[str, int]] = []
+        for op, i in ops:
+            out.append((op, i))
+            if op == "B" and i - stage >= 0:
+                out.append(("W", i - stage))
+        return out + [("W", i) for i in range(max(m - stage, 0), m)]
+    if schedule == "interleaved_1f1b":
+        total = m * virtual
+
+        def unit(k: int, backward: bool) -> tuple[int, int]:
+            chunk = (k // pp) % virtual
+            return (k // (pp * virtual)) * pp + k % pp, virtual - 1 - chunk if backward else chunk
+
+        warm = min(2 * (pp - 1 - stage) + (virtual - 1) * pp, total)
+        seq = [("F", k) for k in range(warm)]
+        for k in range(total - warm):
+            seq += [("F", warm + k), ("B", k)]
+        seq += [("B", k) for k in range(total - warm, total)]
+        return [(f"{op}{unit(k, op == 'B')[1]}", unit(k, op == "B")[0]) for op, k in seq]
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
@@ -95,9 +154,10 @@ class PipelineParallel:
     composes_with_tp = ("megatron",)
     records_timeline = False  # whether forward_backward fills `timeline`
 
-    def __init__(self, schedule: str, microbatches: int = 4) -> None:
+    def __init__(self, schedule: str, microbatches: int = 4, virtual_stages: int = 1) -> None:
         self.schedule = str(schedule)
         self.microbatches = microbatches
+        self.virtual = virtual_stages  # model chunks per stage (interleaved 1F1B); 1 otherwise
         self.active = False
         self.measuring = False
         self.timeline: list[tuple[str, int, float, float]] = []  # (op, micro-batch, start s, end s) of the step
@@ -115,12 +175,25 @@ class PipelineParallel:
         m = self.microbatches
         require(isinstance(m, int) and m >= 1, "pipeline.microbatches", f"must be a positive integer, got {m!r}",
                 "set pipeline.microbatches=1 or more")
+        v = self.virtual
+        require(isinstance(v, int) and v >= 1, "pipeline.virtual_stages", f"must be a positive integer, got {v!r}",
+                "set pipeline.virtual_stages=1 (or more with pipeline.schedule=interleaved_1f1b)")
+        require(v == 1 or self.schedule == "interleaved_1f1b", "pipeline.virtual_stages",
+                f"{v} chunks per stage need the interleaved schedule, not {self.schedule}",
+                "set pipeline.schedule=interleaved_1f1b (pipeline=ours) or pipeline.virtual_stages=1")
         pp = mesh.pp
         if pp == 1:
             return
         require(model_cfg.n_layers % pp == 0, "mesh.pp",
                 f"pp={pp} stages do not split model.n_layers={model_cfg.n_layers} blocks evenly",
                 "choose mesh.pp dividing model.n_layers")
+        require(model_cfg.n_layers % (pp * v) == 0, "pipeline.virtual_stages",
+                f"pp={pp} x virtual_stages={v} chunks do not split model.n_layers={model_cfg.n_layers} blocks evenly",
+                "choose pipeline.virtual_stages with mesh.pp * virtual_stages dividing model.n_layers")
+        # Megatron's interleaved order walks the micro-batches in groups of pp (one per stage)
+        require(self.schedule != "interleaved_1f1b" or m % pp == 0, "pipeline.microbatches",
+                f"interleaved 1F1B needs a multiple of pp={pp} micro-batches, got {m}",
+                f"choose pipeline.microbatches as a multiple of {pp}")
         require(mesh.tp == 1 or tensor_parallel_name in self.composes_with_tp, "tensor_parallel",
                 f"pipeline parallelism (pp={pp}) with tensor_parallel={tensor_parallel_name} (tp={mesh.tp}) is not "
                 "implemented yet", f"use tensor_parallel={' or '.join(self.composes_with_tp)}, or mesh.tp=1")
@@ -157,12 +230,14 @@ class PipelineParallel:
         self.group = mesh.group("pp")
         self.stage = mesh.submesh("pp").get_local_rank()
         self.is_first, self.is_last = self.stage == 0, self.stage == self.pp - 1
-        split_stage(model, self.pp, self.stage)
+        split_stage(model, self.pp, self.stage, self.virtual)
+        self.n_layers = model.cfg.n_layers
         if tensor_parallel is not None and tensor_parallel.active and getattr(tensor_parallel, "sequence_parallel", False):
             model.hidden_seq_parts = mesh.tp  # stages pass sequence shards
         self.d_model = model.cfg.d_model
-        self.prev = dist.get_global_rank(self.group, self.stage - 1) if not self.is_first else None
-        self.next = dist.get_global_rank(self.group, self.stage + 1) if not self.is_last else None
+        # the neighbours wrap around: under interleaving the last stage's chunk c feeds the first stage's chunk c+1
+        self.prev = dist.get_global_rank(self.group, (self.stage - 1) % self.pp)
+        self.next = dist.get_global_rank(self.group, (self.stage + 1) % self.pp)
         self.last_rank = dist.get_global_rank(self.group, self.pp - 1)
 
     def hidden_shape(self, run, rows: int, seq_len: int) -> tuple[int, int, int]:
@@ -171,6 +246,21 @@ class PipelineParallel:
         tp = run.tensor_parallel
         sharded = tp.active and getattr(tp, "sequence_parallel", False)
         return rows, seq_len // run.mesh.tp if sharded else seq_len, self.d_model
+
+    # ---- chunks (virtual stages) -----------------------------------------------------------------------------
+    def _first_chunk(self, chunk: int) -> bool:
+        """Whether this stage's chunk is the first virtual stage (takes the tokens)."""
+        return self.is_first and chunk == 0
+
+    def _last_chunk(self, chunk: int) -> bool:
+        """Whether this stage's chunk is the last virtual stage (computes the loss)."""
+        return self.is_last and chunk == self.virtual - 1
+
+    def _run_chunk(self, run, h: Tensor, chunk: int) -> Tensor:
+        """This stage's forward of one chunk (the whole stage without interleaving)."""
+        if self.virtual == 1:
+            return run.model(h)
+        return run.model(h, layers=chunk_layers(self.n_layers, self.pp, self.stage, self.virtual, chunk))
 
     # ---- point to point --------------------------------------------------------------------------------
     def _recv(self, peer: int, shape: tuple[int, ...], device: torch.device) -> Tensor:
@@ -200,12 +290,15 @@ class PipelineParallel:
         """Mean loss of one batch, forward only, through every stage (each rank gets it): evaluation."""
         self._pending = []
         shape = self.hidden_shape(run, x.shape[0], x.shape[1])
-        h = x if self.is_first else self._recv(self.prev, shape, run.device)
-        with run.tensor_parallel.loss_context(), run.precision.autocast():
-            out = run.model(h)
-            total = run.tensor_parallel.loss(out, y) if self.is_last else torch.zeros((), device=run.device)
-        if not self.is_last:
-            self._send(out, self.next)
+        total = torch.zeros((), device=run.device)
+        for c in range(self.virtual):  # a micro-batch passes every stage once per chunk
+            h = x if self._first_chunk(c) else self._recv(self.prev, shape, run.device)
+            with run.tensor_parallel.loss_context(), run.precision.autocast():
+                out = self._run_chunk(run, h, c)
+                if self._last_chunk(c):
+                    total = run.tensor_parallel.loss(out, y)
+            if not self._last_chunk(c):
+                self._send(out, self.next)
         self._wait_sends()
         return self._broadcast_loss(total)
 
@@ -266,7 +359,8 @@ class PipelineParallel:
 
 
 def _plot_timeline(ranks: list[dict], title: str, path: Path) -> None:
-    """One row per rank: forwards and backwards as bars labelled with their micro-batch; the gaps are the bubble."""
+    """One row per rank: forwards, backwards (and weight-gradient parts) as bars labelled with their micro-batch;
+    the gaps are the bubble."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -275,12 +369,15 @@ def _plot_timeline(ranks: list[dict], title: str, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(10, 0.6 * len(ranks) + 1.2))
     for row, r in enumerate(ranks):
         for op, mb, start, end in r["events"]:
-            ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (row - 0.4, 0.8),
-                           facecolors="tab:blue" if op == "F" else "tab:green", edgecolor="white")
-            ax.text((start + end) / 2 * 1e3, row, str(mb), ha="center", va="center", fontsize=7, color="white")
+            color = {"F": "tab:blue", "B": "tab:green", "W": "tab:orange"}[op[0]]
+            ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (row - 0.4, 0.8), facecolors=color,
+                           edgecolor="white")
+            # an interleaved op names its chunk after the micro-batch ("3.1": micro-batch 3, chunk 1)
+            label = f"{mb}.{op[1:]}" if op[1:] else str(mb)
+            ax.text((start + end) / 2 * 1e3, row, label, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(ranks)), [f"rank {r['rank']} (stage {r['stage']})" for r in ranks])
     ax.invert_yaxis()
-    ax.set_xlabel("ms since the step began (blue: forward, green: backward)")
+    ax.set_xlabel("ms since the step began (blue: forward, green: backward, orange: weight gradients)")
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -288,11 +385,19 @@ def _plot_timeline(ranks: list[dict], title: str, path: Path) -> None:
 
 
 class OurPipeline(PipelineParallel):
-    """Our schedules (GPipe, 1F1B) over batched isend/irecv; every rank records its (op, micro-batch, start, end)
-    timeline of the step for the measured bubble."""
+    """Our schedules (GPipe, 1F1B, interleaved 1F1B, ZB-H1) over batched isend/irecv; every rank records its
+    (op, micro-batch, start, end) timeline of the step for the measured bubble.
+
+    ZB-H1 splits each backward in two autograd calls over the graph the forward built: B takes the gradient of
+    the stage output with respect to the stage input only (`torch.autograd.grad(..., retain_graph=True)`) and
+    sends it on; W later runs `torch.autograd.backward` from the same output and output gradient with
+    `inputs=` the stage's parameters, accumulating their `.grad` and freeing the graph. Memory: the graph (every
+    saved activation) and the received output gradient live from B until W. Compute: W walks the activation-
+    gradient chain again to reach the weights (autograd keeps no intermediate gradients), so B + W costs more
+    than one backward; what ZB-H1 wins is that the next stage's B no longer waits for this stage's W."""
 
     name = "ours"
-    schedules = ("gpipe", "1f1b")
+    schedules = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
     records_timeline = True
 
     def forward_backward(self, run, step: int) -> Tensor:
@@ -300,38 +405,55 @@ class OurPipeline(PipelineParallel):
         m = self.microbatches
         xs, ys = x.chunk(m), y.chunk(m)
         shape = self.hidden_shape(run, xs[0].shape[0], xs[0].shape[1])
-        ops = schedule_ops(self.schedule, self.stage, self.pp, m)
-        inputs: dict[int, Tensor] = {}
-        outputs: dict[int, Tensor] = {}
+        ops = schedule_ops(self.schedule, self.stage, self.pp, m, self.virtual)
+        split = self.schedule == "zb_h1"  # backward in an input-gradient part (B) and a weight part (W)
+        params = [p for p in run.raw_model.parameters() if p.requires_grad]
+        # keyed by (micro-batch, chunk): a stage holds several chunks' activations of one micro-batch
+        inputs: dict[tuple[int, int], Tensor] = {}
+        outputs: dict[tuple[int, int], Tensor] = {}
+        out_grads: dict[tuple[int, int], Tensor | None] = {}  # zb_h1: B's output gradient, kept for W
         total = torch.zeros((), device=run.device)
         self._pending, self.timeline = [], []
         begin = self._stamp(run)
         for n, (op, i) in enumerate(ops):
+            kind, c = op[0], int(op[1:] or 0)
+            key, first, last = (i, c), self._first_chunk(c), self._last_chunk(c)
             # gradients are synchronised over dp by the last backward only (all earlier ones accumulate)
             sync = n == len(ops) - 1
-            if op == "F":
-                h = xs[i] if self.is_first else self._recv(self.prev, shape, run.device).requires_grad_()
+            if kind == "F":
+                h = xs[i] if first else self._recv(self.prev, shape, run.device).requires_grad_()
                 start = self._stamp(run)
                 with run.strategy.gradient_sync(False), run.tensor_parallel.loss_context():
                     with run.precision.autocast():
-                        out = run.model(h)
-                    if self.is_last:
+                        out = self._run_chunk(run, h, c)
+                    if last:
                         out = run.tensor_parallel.loss(out, ys[i]) / m
                         total += out.detach()
-                inputs[i], outputs[i] = h, out
-                if not self.is_last:
+                inputs[key], outputs[key] = h, out
+                if not last:
                     self._send(out, self.next)
-            else:
-                grad = None if self.is_last else self._recv(self.next, shape, run.device)
+            elif kind == "B":
+                grad = None if last else self._recv(self.next, shape, run.device)
                 start = self._stamp(run)
                 with run.strategy.gradient_sync(sync), run.tensor_parallel.loss_context():
-                    if self.is_last:
-                        run.precision.backward(outputs.pop(i))
+                    if split:
+                        # the input gradient only; the graph stays for W (the first stage has no input gradient)
+                        h_grad = None if first else torch.autograd.grad(outputs[key], [inputs[key]], grad,
+                                                                        retain_graph=True)[0]
+                        out_grads[key] = grad
                     else:
-                        torch.autograd.backward(outputs.pop(i), grad)
-                h = inputs.pop(i)
-                if not self.is_first:
-                    self._send(h.grad, self.prev)
+                        if last:
+                            run.precision.backward(outputs.pop(key))
+                        else:
+                            torch.autograd.backward(outputs.pop(key), grad)
+                        h_grad = inputs.pop(key).grad
+                if not first:
+                    self._send(h_grad, self.prev)
+            else:  # "W": the deferred weight gradients of micro-batch i, into .grad; frees its graph
+                start = self._stamp(run)
+                with run.strategy.gradient_sync(sync), run.tensor_parallel.loss_context():
+                    torch.autograd.backward(outputs.pop(key), out_grads.pop(key), inputs=params)
+                inputs.pop(key)
             self.timeline.append((op, i, start - begin, self._stamp(run) - begin))
         self._wait_sends()
         self.step_seconds = self._stamp(run) - begin
