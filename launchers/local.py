@@ -14,6 +14,7 @@ stopped making progress is named as the culprit, not the peer that timed out wai
 """
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -216,12 +217,16 @@ def launch_workers(cfg: DictConfig, nproc: int) -> Any:
     for k, v in WORKER_ENV.items():
         os.environ.setdefault(k, v)
     join_timeout_s = float(OmegaConf.select(cfg, "mesh.join_timeout_s", default=600))
+    # torch 2.11's LaunchConfig has no shutdown_timeout (its agent then waits its own default before killing the
+    # failed worker's peers): pass only the fields this torch has
+    optional = {"signals_to_handle": _ELASTIC_SIGNALS, "shutdown_timeout": _KILL_AFTER_S}
+    fields = {f.name for f in dataclasses.fields(LaunchConfig)}
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"scalelab-{uuid.uuid4().hex[:12]}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
                           rdzv_configs={"timeout": int(join_timeout_s), "join_timeout": int(join_timeout_s),
                                         "read_timeout": int(join_timeout_s)},
                           max_restarts=0, monitor_interval=0.2, start_method="spawn",
-                          signals_to_handle=_ELASTIC_SIGNALS, shutdown_timeout=_KILL_AFTER_S)
+                          **{k: v for k, v in optional.items() if k in fields})
     container = OmegaConf.to_container(cfg, resolve=True)
     threads = max(1, (os.cpu_count() or 1) // nproc)
     elastic_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGHUP, signal.SIGQUIT)}

@@ -82,6 +82,12 @@ def _clear_dtensor_caches() -> None:
     """Empty DTensor's memo caches, whose keys and values (sharding specs, mesh topologies, redistribute
     plans) hold DeviceMeshes and through them process groups. Which caches exist differs between torch
     releases, so every lru_cache defined under torch.distributed is cleared; they only memoise."""
+    resources = getattr(sys.modules.get("torch.distributed.device_mesh"), "_mesh_resources", None)
+    for value in vars(resources).values() if resources is not None else ():
+        # DeviceMesh's registry of root, child and flattened meshes (more of it in torch 2.11 than later):
+        # every entry holds a mesh and through it its process groups
+        if isinstance(value, (dict, list)):
+            value.clear()
     if "torch.distributed.tensor" not in sys.modules:
         return
     for obj in gc.get_objects():

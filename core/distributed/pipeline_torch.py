@@ -79,6 +79,9 @@ class TorchPipeline(PipelineParallel):
 
     def forward_backward(self, run, step: int) -> Tensor:
         x, y = run.micro_batch("train", step, 0)
+        # the token rows are views into one (B, T + 1) draw; torch 2.11's stage checks every micro-batch's strides
+        # against the contiguous ones it expects
+        x, y = x.contiguous(), y.contiguous()
         if getattr(self, "_schedule", None) is None:
             self._build(run, x)
         losses: list[Tensor] = []
