@@ -15,11 +15,16 @@ Shapes: N tokens (batch x sequence flattened), D d_model, F each expert's hidden
 After each forward the module holds `aux_loss`, the Switch/GShard load-balancing loss E * sum_e f_e P_e
 (f_e: share of the N k assignments routed to e before any drop, P_e: mean router probability of e), and
 `stats` (dropped share of the copies, the busiest expert's load over the mean), both of that forward's tokens.
+
+Under expert parallelism (`core.distributed.expert_parallel`) each rank holds n_experts / ep of the experts: the
+router, top-k, capacity and aux loss run on the rank's own tokens as above, then `dispatcher` sends each copy to the
+rank holding its expert, runs the local experts there and brings the outputs back, in the same order.
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +47,10 @@ class MoEFeedForward(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
         self.router = nn.Linear(d_model, n_experts, bias=False)
         self.shared = shared
+        # expert parallelism (core/distributed/expert_parallel.py): this rank's experts of the n_experts, and what
+        # moves each expert's token copies to the rank holding it and back (None: every expert is here)
+        self.expert_slice = slice(0, n_experts)
+        self.dispatcher: Optional[Callable[..., tuple[Tensor, Optional[Tensor]]]] = None
         self.aux_loss: Optional[Tensor] = None
         self.stats: dict[str, Tensor] = {}
 
@@ -76,13 +85,22 @@ class MoEFeedForward(nn.Module):
             self.stats = {"moe_dropped_fraction": 1 - kept.sum() / (n * k),
                           "moe_max_load": counts.max() * n_exp / (n * k)}
         token = order // k
-        y = self._experts(x[token], kept)  # (copies, D) in expert order
+        shared = None
+        if self.dispatcher is None:
+            y = self._experts(x[token], kept)  # (copies, D) in expert order
+        else:  # the shared expert (if any) runs while the copies travel
+            y, shared = self.dispatcher(x[token], kept, self._experts,
+                                        None if self.shared is None else functools.partial(self.shared, x))
         weights = top_w.reshape(-1)[order].unsqueeze(-1)
         out = torch.zeros(n, shape[-1], dtype=torch.promote_types(y.dtype, acc), device=x.device)
         out = out.index_add(0, token, y.to(out.dtype) * weights)
         if self.shared is not None:
-            out = out + self.shared(x)
+            out = out + (self.shared(x) if shared is None else shared)
         return out.to(x.dtype).reshape(shape)
+
+    def expert_parameters(self) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
+        """The routed experts' weights (this rank's experts under expert parallelism)."""
+        return self.w1, self.w3, self.w2
 
     def _experts(self, xs: Tensor, counts: Tensor) -> Tensor:
         """Each expert's SwiGLU on its contiguous slice of `xs` (`counts[e]` rows each, in expert order)."""

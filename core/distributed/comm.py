@@ -44,15 +44,17 @@ def supports_avg(pg: Optional[dist.ProcessGroup]) -> bool:
 
 
 def broadcast_module(module: torch.nn.Module, pg: Optional[dist.ProcessGroup],
-                     chunk_bytes: int = 256 * 2**20) -> None:
-    """Copy group rank 0's parameters and buffers to every rank.
+                     chunk_bytes: int = 256 * 2**20, exclude: frozenset[int] = frozenset()) -> None:
+    """Copy group rank 0's parameters and buffers to every rank (except those whose id is in `exclude`: each rank
+    holds its own, e.g. its experts under expert parallelism).
 
     Small tensors travel coalesced in flat chunks of at most `chunk_bytes` (per dtype and device); a larger
     contiguous tensor is broadcast in place. The extra memory is one chunk, not a copy of the model (a
     model-sized flat buffer would add its whole size to the run's peak)."""
     if group_size(pg) == 1:
         return
-    tensors = list({id(t): t for t in list(module.parameters()) + list(module.buffers())}.values())
+    tensors = [t for i, t in {id(t): t for t in list(module.parameters()) + list(module.buffers())}.items()
+               if i not in exclude]
     # a DTensor (tensor parallelism) is broadcast as its local part: the ranks of `pg` hold the same part
     tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
     src = global_rank(pg, 0)

@@ -29,7 +29,7 @@ from torch import nn
 from core.distributed.comm import CommTimer, broadcast_module, group_size, supports_avg
 from core.distributed.mesh import ParallelMesh
 from core.distributed.strategy import (DP_AXES, CollectiveSpec, ModelLayout, Strategy, StrategyProfile, axes_degree,
-                                       materialize)
+                                       expert_sharded_parameters, materialize)
 from core.dtypes import dtype_bytes, parse_dtype
 from core.errors import require
 
@@ -56,11 +56,14 @@ class DataParallel(nn.Module):
         self.process_group = process_group
         self.world = group_size(process_group)
         self.avg_in_op = supports_avg(process_group)
-        self.params = unique_trainable(module)
+        # under expert parallelism each rank holds other experts: core.distributed.expert_parallel averages their
+        # gradients over the ranks holding the same ones, so they are neither broadcast nor reduced here
+        experts = frozenset(expert_sharded_parameters(module))
+        self.params = [p for p in unique_trainable(module) if id(p) not in experts]
         device = self.params[0].device if self.params else torch.device("cpu")
         self.timer = timer if timer is not None else CommTimer(device, enabled=False)
         self.require_backward_grad_sync = True
-        broadcast_module(module, process_group)
+        broadcast_module(module, process_group, exclude=experts)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -519,6 +522,7 @@ class DDPStrategy(Strategy):
 
     name = "ddp"
     data_parallel = True
+    supports_expert_parallel = True
     wrapper_cls: type[DataParallel] = BucketedDDP
 
     def __init__(self, **wrapper_kwargs: Any) -> None:

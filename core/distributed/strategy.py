@@ -156,6 +156,9 @@ class Strategy:
     data_parallel: bool = False  # replicas synchronised over the mesh's dp axes (else one rank only)
     checkpoint_format: Literal["full", "dcp"] = "full"  # full: rank 0 torch.save; dcp: torch.distributed.checkpoint
     supports_activation_checkpointing: bool = True
+    # runs with expert parallelism: leaves the parameters `expert_sharded_parameters` names out of its data-parallel
+    # broadcast and gradient sync (`core.distributed.expert_parallel` averages them over the ranks holding them)
+    supports_expert_parallel: bool = False
 
     def validate(self, mesh: ParallelMesh) -> None:
         """Raise `ConfigError` if this strategy cannot run on `mesh` (called before any process starts)."""
@@ -191,13 +194,15 @@ class Strategy:
         params = [p for p in model.parameters() if p.grad is not None]
         if not params:
             return torch.zeros(())
-        if self.mesh.tp == 1 and self.mesh.pp == 1:
+        experts = expert_sharded_parameters(model)
+        if self.mesh.tp == 1 and self.mesh.pp == 1 and not experts:
             return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
         sharded = tp_sharded_parameters(model)
         # under pipeline parallelism each stage holds other parameters: their squares are summed over pp
         return clip_grads_([p.grad for p in params], [id(p) in sharded for p in params], max_norm,
                            self.mesh.group("tp"), None, self.mesh.tp,
-                           pp_group=self.mesh.group("pp") if self.mesh.pp > 1 else None)
+                           pp_group=self.mesh.group("pp") if self.mesh.pp > 1 else None,
+                           expert=[id(p) in experts for p in params], ep_group=expert_group(model))
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Model and optimizer state to checkpoint (see `checkpoint_format`)."""
@@ -245,27 +250,46 @@ def tp_sharded_parameters(model: nn.Module) -> set[int]:
     return out
 
 
+def expert_sharded_parameters(model: nn.Module) -> set[int]:
+    """ids of the parameters of `model` that hold one expert-parallel rank's experts: the routed experts of MoE
+    layers given a `dispatcher` (`core.distributed.expert_parallel`)."""
+    return {id(p) for m in model.modules() if getattr(m, "dispatcher", None) is not None
+            for p in m.expert_parameters()}
+
+
+def expert_group(model: nn.Module):
+    """The expert-parallel process group of `model`'s MoE layers (None without expert parallelism)."""
+    return next((m.dispatcher.group for m in model.modules() if getattr(m, "dispatcher", None) is not None), None)
+
+
 def clip_grads_(grads: list[torch.Tensor], tp_sharded: list[bool], max_norm: float, tp_group, dp_group,
-                tp: int, pp_group=None) -> torch.Tensor:
+                tp: int, pp_group=None, expert: list[bool] | None = None, ep_group=None) -> torch.Tensor:
     """Clip `grads` in place to a global norm of `max_norm` (<= 0 or inf: only measure); return the norm.
 
     `grads` are this rank's parts: a tp-sharded gradient is one of tp disjoint parts of its weight, any other is
     the same on every tp rank, so it counts 1/tp on each before the squares are summed over the tp group.
     With `dp_group`, the gradients are also disjoint parts over the data-parallel ranks (ZeRO / FSDP shards);
-    with `pp_group`, over the pipeline stages (each holds its own blocks)."""
+    with `pp_group`, over the pipeline stages (each holds its own blocks). Those flagged `expert` are disjoint parts
+    over `ep_group` (each rank's experts) and the same on the other data-parallel ranks: summed over ep only."""
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     device = local[0].device if local else torch.device("cpu")
     sq = torch.zeros((), device=device, dtype=torch.float32)
-    for g, sharded in zip(local, tp_sharded):
+    esq = torch.zeros((), device=device, dtype=torch.float32)
+    for g, sharded, is_expert in zip(local, tp_sharded, expert or [False] * len(local)):
         part = g.detach().float().pow(2).sum()
-        sq += part if sharded else part / tp
+        if is_expert:
+            esq += part
+        else:
+            sq += part if sharded else part / tp
+    if ep_group is not None:
+        dist.all_reduce(esq, group=ep_group)
     if tp > 1:
         dist.all_reduce(sq, group=tp_group)
     if dp_group is not None:
         dist.all_reduce(sq, group=dp_group)
     if pp_group is not None:
         dist.all_reduce(sq, group=pp_group)
-    norm = sq.sqrt()
+    norm = (sq + esq).sqrt()
     if max_norm > 0 and math.isfinite(max_norm):
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in local:

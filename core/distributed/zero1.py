@@ -41,7 +41,8 @@ from core.distributed.comm import (CommTimer, all_gather_flat, group_rank, group
 from core.distributed.ddp import BucketedDDP, DataParallel, _compute_dtype, bucketed_all_reduce_profile, unwrap
 from core.distributed.mesh import ParallelMesh
 from core.distributed.strategy import (DP_AXES, CollectiveSpec, ModelLayout, Strategy, StrategyProfile, axes_degree,
-                                       clip_grads_, materialize, tp_sharded_parameters)
+                                       clip_grads_, expert_group, expert_sharded_parameters, materialize,
+                                       tp_sharded_parameters)
 from core.errors import require
 
 
@@ -51,7 +52,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable, optimizer_cls: Callable[..., torch.optim.Optimizer],
                  process_group: Optional[dist.ProcessGroup] = None, grad_reduction: str = "all_reduce",
                  bucket_size_mb: float = 256.0, timer: Optional[CommTimer] = None,
-                 overlap_param_gather: bool = False, **kwargs: Any) -> None:
+                 overlap_param_gather: bool = False, unsharded: frozenset[int] = frozenset(), **kwargs: Any) -> None:
         require(grad_reduction in ("all_reduce", "reduce_scatter"), "parallelism.grad_reduction",
                 f"unknown {grad_reduction!r}", "use all_reduce (gradients already averaged) or reduce_scatter")
         self.optimizer_cls, self.kwargs = optimizer_cls, kwargs
@@ -66,6 +67,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._owned: list[list[nn.Parameter]] = [[] for _ in range(self.world)]  # params per owner, in order
         self._grads_reduced = False
         self.overlap_param_gather = overlap_param_gather
+        self._unsharded = unsharded  # ids of parameters every rank steps itself (its experts under ep): never gathered
         self._rounds = None
         self._flat: Optional[list[torch.Tensor]] = None    # per round: world * width, parameters are views
         self._round_of: dict[int, int] = {}                # id(param) -> round index
@@ -83,6 +85,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         full = self.param_groups[-1]
         mine = []
         for p in full["params"]:
+            if id(p) in self._unsharded:
+                self._owner[id(p)] = self.rank
+                mine.append(p)
+                continue
             owner = min(range(self.world), key=lambda r: (self._load[r], r))  # same answer on every rank
             self._owner[id(p)] = owner
             self._load[owner] += p.numel()
@@ -332,6 +338,7 @@ class Zero1Strategy(Strategy):
 
     name = "zero1"
     data_parallel = True
+    supports_expert_parallel = True  # a rank's experts: stepped by it alone, their state unsharded (1/ep of them)
     checkpoint_format = "dcp"  # every rank saves its own optimizer shard
 
     def __init__(self, grad_reduction: str = "all_reduce", bucket_size_mb: float = 25.0,
@@ -391,7 +398,8 @@ class Zero1Strategy(Strategy):
     def build_optimizer(self, model, param_groups, make_optimizer) -> torch.optim.Optimizer:
         self.optimizer = ShardedOptimizer(param_groups, make_optimizer, process_group=self.mesh.group("dp"),
                                           grad_reduction=self.grad_reduction, bucket_size_mb=self.gather_bucket_mb,
-                                          timer=self.timer, overlap_param_gather=self.overlap_param_gather)
+                                          timer=self.timer, overlap_param_gather=self.overlap_param_gather,
+                                          unsharded=frozenset(expert_sharded_parameters(unwrap(model))))
         if self.overlap_param_gather and self.optimizer.world > 1:
             self._install_gather_hooks(self.wrapped)
         return self.optimizer
@@ -432,8 +440,12 @@ class Zero1Strategy(Strategy):
         owned = [p for p in self.optimizer.owned_params() if p.grad is not None]
         dp_group = self.optimizer.process_group if self.optimizer.world > 1 else None
         sharded = tp_sharded_parameters(unwrap(model))
-        return clip_grads_([p.grad for p in owned], [id(p) in sharded for p in owned], max_norm,
-                           self.mesh.group("tp"), dp_group, self.mesh.tp)
+        # a rank's experts (expert parallelism) are owned by no one: their squares are summed over ep alone
+        experts = [p for p in unwrap(model).parameters() if id(p) in self.optimizer._unsharded and p.grad is not None]
+        return clip_grads_([p.grad for p in owned + experts], [id(p) in sharded for p in owned + experts], max_norm,
+                           self.mesh.group("tp"), dp_group, self.mesh.tp,
+                           pp_group=self.mesh.group("pp") if self.mesh.pp > 1 else None,
+                           expert=[False] * len(owned) + [True] * len(experts), ep_group=expert_group(unwrap(model)))
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         self.wait_for_parameters()

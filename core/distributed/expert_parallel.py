@@ -1,0 +1,305 @@
+"""Expert parallelism over the mesh's ep axis: the `expert_parallel` plugin (docs/moe.md, "Expert parallelism").
+
+ep adds no ranks: it borrows them from dp_shard x cp (the mesh's rule). Every ep consecutive ranks of one dp_shard x cp
+slice form an ep group; each rank of it holds n_experts / ep of every MoE layer's routed experts (rank i: experts
+i E/ep .. (i+1) E/ep - 1) and everything else whole. Each rank still reads its own rows of the batch.
+
+One MoE layer's forward on a rank (N tokens, k choices each, D = d_model):
+
+    router, top-k, capacity drop, aux loss   on the rank's own N tokens, exactly as in one process (core/moe.py)
+    count exchange    all_to_all_single of the E kept-copy counts (E / ep to each rank): every rank learns how
+                      many copies it receives per (source rank, local expert); the split sizes go to the host
+    dispatch          all_to_all_single of the copies (sorted by expert, hence by destination), uneven splits
+    local experts     the received copies regrouped by local expert (a stable permutation), SwiGLU as before:
+                      the per-expert loop, or torch._grouped_mm on CUDA bf16
+    combine           the inverse permutation, then all_to_all_single with the splits swapped: each copy's output
+                      returns to its source in its sending order, where the router weights and index_add apply
+    backward          the same two all-to-alls, reversed (autograd Functions below)
+
+Overlap: the dispatch all-to-all is launched asynchronously and the shared expert (model.shared_expert) runs while it
+is in flight; in backward the dispatch's reverse all-to-all is launched by the later node and waited for by the
+earlier one, and autograd runs the shared expert's backward (created between them) in that window. The count
+exchange and the combine are exposed: the next computation needs their result. Without a shared expert nothing
+hides the all-to-alls.
+
+Gradients: the dense parameters are averaged over all data-parallel ranks by the strategy as without ep. A rank's
+expert gradient is the sum over its ep group's tokens (the all-to-all backward brings them), so `finish_gradients`
+sums it over the `edp` ranks holding the same experts (dp_replicate x dp_shard x cp / ep) and divides by dp: the
+average over all data-parallel ranks, as one process accumulating their micro-batches computes it.
+
+Capacity under ep: applied by each source rank to its own tokens before dispatch (ceil(cf N k / E) per expert per
+source rank), so an expert receives at most ep times that per forward. That is one process's capacity for a
+micro-batch of the rank's tokens; the aux loss is likewise the rank's own. With ep = 1 nothing here runs.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from core.distributed.comm import CommTimer
+from core.distributed.mesh import ParallelMesh
+from core.distributed.strategy import CollectiveSpec, expert_sharded_parameters
+from core.errors import ConfigError, require
+from core.moe import MoEFeedForward
+
+
+class _Pending:
+    """An all-to-all in flight between the two halves of `_AllToAllStart` / `_AllToAllWait` (one per direction)."""
+
+    def __init__(self, dispatcher: "ExpertDispatcher", out_splits: list[int], in_splits: list[int]) -> None:
+        self.dispatcher, self.out_splits, self.in_splits = dispatcher, out_splits, in_splits
+        self.work: Any = None
+        self.grad_work: Any = None
+        self.held: tuple[Tensor, ...] = ()  # the in-flight collective's input, alive until it is waited for
+
+
+class _AllToAllStart(torch.autograd.Function):
+    """Launches the all-to-all of `x` (rows split `in_splits` to the group's ranks, `out_splits` received) and returns
+    the buffer it fills; `_AllToAllWait` waits for it. Backward waits for the reverse all-to-all its partner
+    launched."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, pending: _Pending) -> Tensor:
+        ctx.pending = pending
+        out = x.new_empty((sum(pending.out_splits), *x.shape[1:]))
+        pending.held = (x.contiguous(),)
+        pending.work = pending.dispatcher.all_to_all(out, pending.held[0], pending.out_splits, pending.in_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        pending = ctx.pending
+        pending.dispatcher.wait(pending.grad_work)
+        grad_in, pending.grad_work, pending.grad_out, pending.held = pending.grad_out, None, None, ()
+        return grad_in, None
+
+
+class _AllToAllWait(torch.autograd.Function):
+    """Waits for `_AllToAllStart`'s all-to-all; backward launches the reverse one (splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, pending: _Pending) -> Tensor:
+        ctx.pending = pending
+        pending.dispatcher.wait(pending.work)
+        pending.work, pending.held = None, ()
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        pending = ctx.pending
+        grad = grad.contiguous()
+        pending.grad_out = grad.new_empty((sum(pending.in_splits), *grad.shape[1:]))
+        pending.held = (grad,)
+        pending.grad_work = pending.dispatcher.all_to_all(pending.grad_out, grad, pending.in_splits,
+                                                          pending.out_splits)
+        return grad, None  # what _AllToAllStart.backward receives (and ignores: it returns grad_out)
+
+
+class ExpertDispatcher:
+    """Moves one MoE layer's token copies to the ep ranks holding their experts and the outputs back
+    (`MoEFeedForward.dispatcher`); shared by every layer of a model."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], ep: int, timer: CommTimer) -> None:
+        self.group, self.ep, self.timer = group, ep, timer
+        self.bytes_sent = 0  # all-to-all input bytes (dispatch and combine, forward and backward), for the tests
+
+    def all_to_all(self, out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int]) -> Any:
+        self.bytes_sent += inp.numel() * inp.element_size()
+        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
+        return self.timer.launched(work)
+
+    def wait(self, work: Any) -> None:
+        if work is not None:
+            self.timer.wait(work)
+
+    def exchange(self, x: Tensor, out_splits: list[int], in_splits: list[int],
+                 during: Optional[Callable[[], Tensor]] = None) -> tuple[Tensor, Optional[Tensor]]:
+        """All-to-all of the rows of `x` (autograd-aware), running `during()` while it is in flight."""
+        pending = _Pending(self, out_splits, in_splits)
+        buf = _AllToAllStart.apply(x, pending)
+        extra = during() if during is not None else None
+        return _AllToAllWait.apply(buf, pending), extra
+
+    def __call__(self, xs: Tensor, counts: Tensor, experts: Callable[[Tensor, Tensor], Tensor],
+                 shared: Optional[Callable[[], Tensor]] = None) -> tuple[Tensor, Optional[Tensor]]:
+        """`xs`: this rank's kept copies sorted by (global) expert, `counts[e]` of them for expert e. Returns their
+        outputs in the same order, computed by `experts(rows, local_counts)` on the ranks holding them, and the
+        shared expert's output (`shared()`, run while the copies travel)."""
+        ep, n_local = self.ep, counts.numel() // self.ep
+        send = counts.reshape(ep, n_local)  # experts are contiguous per rank: row r goes to rank r
+        recv = torch.empty_like(send)
+        with self.timer.blocking():
+            dist.all_to_all_single(recv, send.contiguous(), group=self.group)  # recv[s, j]: from rank s, expert j
+        sizes = torch.stack((send.sum(1), recv.sum(1))).tolist()  # one host sync: the split sizes
+        send_splits, recv_splits = sizes[0], sizes[1]
+        got, shared_out = self.exchange(xs, recv_splits, send_splits, shared)  # rows by source rank, then expert
+        # regroup by local expert (stable: source rank order within an expert) and back after the experts
+        expert_of_row = torch.repeat_interleave(torch.arange(n_local, device=xs.device).repeat(ep), recv.reshape(-1))
+        perm = torch.argsort(expert_of_row, stable=True)
+        out = experts(got[perm], recv.sum(0))
+        back, _ = self.exchange(out[torch.argsort(perm)], send_splits, recv_splits)
+        return back, shared_out
+
+
+class ExpertParallel:
+    """Our expert parallelism (module docstring): shards the routed experts over mesh.ep and averages their
+    gradients over the ranks holding the same experts. Nothing changes at mesh.ep = 1.
+
+    overlap: launch the dispatch asynchronously and run the shared expert while it travels (false: blocking)."""
+
+    name = "ours"
+
+    def __init__(self, overlap: bool = True) -> None:
+        self.overlap = bool(overlap)
+        self.timer: Optional[CommTimer] = None
+        self.dispatcher: Optional[ExpertDispatcher] = None
+        self.edp_group: Optional[dist.ProcessGroup] = None
+        self.dp = 1
+
+    # ---- before any process starts ----
+    def validate(self, mesh: ParallelMesh, model_cfg, strategy, wants_checkpoints: bool = False,
+                 compiled: bool = False) -> None:
+        """Refuse, in one line each, what expert parallelism cannot run (the mesh itself refuses an ep that does not
+        divide dp_shard x cp)."""
+        if mesh.ep == 1:
+            return
+        require(model_cfg.n_experts > 0, "mesh.ep",
+                f"ep={mesh.ep} shards experts but model={model_cfg.name} is dense (model.n_experts=0)",
+                "set mesh.ep=1, or use a mixture-of-experts model (model=tiny_moe, model=small_moe)")
+        require(model_cfg.n_experts % mesh.ep == 0, "mesh.ep",
+                f"ep={mesh.ep} does not divide model.n_experts={model_cfg.n_experts}: each rank holds n_experts / ep",
+                f"choose mesh.ep dividing {model_cfg.n_experts}")
+        require(mesh.cp == 1, "mesh.ep", f"ep={mesh.ep} with mesh.cp={mesh.cp} is not supported yet",
+                "set mesh.cp=1 (expert parallelism borrows its ranks from dp_shard)")
+        require(getattr(strategy, "supports_expert_parallel", False), "parallelism",
+                f"parallelism={strategy.name} does not run with expert parallelism (mesh.ep={mesh.ep}): it would "
+                "broadcast or average each rank's own experts", "use parallelism=ddp_bucketed (or ddp_naive, "
+                "ddp_flat, ddp_overlap, zero1, zero1_rs), or mesh.ep=1")
+        require(not wants_checkpoints, "checkpoint",
+                f"checkpoints of an expert-parallel run (mesh.ep={mesh.ep}) are not supported yet: each rank holds "
+                "other experts", "set checkpoint.every=0 checkpoint.at_end=false resume=null, or mesh.ep=1")
+        require(not compiled, "compile", f"compile=true with mesh.ep={mesh.ep} is not supported yet (the dispatch "
+                "reads split sizes on the host)", "set compile=false or mesh.ep=1")
+
+    # ---- the parallelize step ----
+    def apply(self, model: nn.Module, mesh: ParallelMesh) -> None:
+        """Keep this rank's experts of every MoE layer of `model` (on the meta device, before materialising) and
+        give each layer the dispatcher. Every rank creates every ep and edp group, in one order."""
+        if mesh.ep == 1:
+            return
+        layers = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+        if not layers:
+            raise ConfigError("mesh.ep", f"ep={mesh.ep} but the model has no MoE layers",
+                              "set mesh.ep=1 or model.n_experts > 0")
+        ep_groups, edp_groups = mesh.ep_group_ranks()
+        me = mesh.rank
+        group = edp = None
+        for ranks in ep_groups:
+            g = dist.new_group(ranks)
+            if me in ranks:
+                group, position = g, ranks.index(me)
+        for ranks in edp_groups:
+            g = dist.new_group(ranks)
+            if me in ranks:
+                edp = g
+        self.edp_group = edp if mesh.edp > 1 else None
+        self.dp = mesh.dp_size * mesh.cp
+        self.timer = CommTimer(mesh.device_obj, enabled=False)
+        self.dispatcher = ExpertDispatcher(group, mesh.ep, self.timer)
+        for layer in layers:
+            n = layer.n_experts // mesh.ep
+            layer.expert_slice = slice(position * n, (position + 1) * n)
+            for name in ("w1", "w3", "w2"):
+                full = getattr(layer, name)
+                local = nn.Parameter(full.new_empty((n, *full.shape[1:])), requires_grad=full.requires_grad)
+                setattr(layer, name, local)
+            layer.dispatcher = _LayerDispatch(self.dispatcher, self.overlap)
+
+    # ---- each step ----
+    @torch.no_grad()
+    def finish_gradients(self, model: nn.Module) -> None:
+        """Average the expert gradients over all data-parallel ranks (module docstring): one flat all-reduce over the
+        ranks holding the same experts, then / dp. Called once per optimizer step after the strategy's sync."""
+        if self.dispatcher is None:
+            return
+        ids = expert_sharded_parameters(model)
+        params = [p for p in model.parameters() if id(p) in ids]
+        for p in params:
+            if p.grad is None:  # no token reached this rank's experts of a layer: a zero gradient, synced like any
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        if self.edp_group is not None:
+            flat = torch._utils._flatten_dense_tensors(grads)
+            with self.timer.blocking():
+                dist.all_reduce(flat, group=self.edp_group)
+            for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+        torch._foreach_div_(grads, float(self.dp))
+
+    def measure_communication(self, enabled: bool) -> None:
+        """Time the all-to-alls and the expert gradient all-reduce of the steps that follow."""
+        if self.timer is not None:
+            if enabled and not self.timer.enabled:
+                self.timer.reset()
+            self.timer.enabled = enabled
+
+    def step_metrics(self) -> dict[str, float]:
+        """ep_comm_ms / ep_exposed_comm_ms of the logged step (empty without expert parallelism)."""
+        if self.timer is None or not self.timer.enabled:
+            return {}
+        m = self.timer.metrics()
+        return {"ep_comm_ms": m.get("comm_ms", 0.0), "ep_exposed_comm_ms": m.get("exposed_comm_ms", 0.0)}
+
+    # ---- the planner ----
+    def collectives(self, mesh: ParallelMesh, model_cfg, micro_batch: int, seq_len: int, activation_bytes: int,
+                    micro_steps: int, recomputed_blocks: int = 0) -> list[CollectiveSpec]:
+        """The ep axis's collectives of one optimizer step, per rank, dropless:
+
+        - per MoE layer and micro-step, four all-to-alls of the rank's B T k copies of d_model activations (dispatch
+          and combine, forward and backward; a recomputed block repeats its forward two): counted as what each rank
+          hands to all_to_all_single, its own slice included; under even routing (ep-1)/ep of it leaves the rank.
+          The combine's input is what the rank received, so only the mean over the ep group is this figure exactly;
+        - the count exchange, E int64 per layer and forward;
+        - the expert gradients' all-reduce over the edp ranks holding the same experts, once per step (fp32)."""
+        if mesh.ep == 1 or not model_cfg.n_experts:
+            return []
+        layers, d = model_cfg.n_layers, model_cfg.d_model
+        copies = micro_batch * seq_len * model_cfg.top_k
+        calls = micro_steps * (4 * layers + 2 * recomputed_blocks)
+        out = [CollectiveSpec("all_to_all", "activations", calls * copies * d * activation_bytes, calls, ("ep",)),
+               CollectiveSpec("all_to_all", "expert counts", micro_steps * (layers + recomputed_blocks)
+                              * model_cfg.n_experts * 8, micro_steps * (layers + recomputed_blocks), ("ep",))]
+        if mesh.edp > 1:
+            expert_numel = 3 * model_cfg.n_experts // mesh.ep * d * model_cfg.expert_d_ff * layers
+            out.append(CollectiveSpec("all_reduce", "expert gradients", 4 * expert_numel, 1, ("edp",)))
+        return out
+
+
+class _LayerDispatch:
+    """One MoE layer's `dispatcher`: the model's `ExpertDispatcher`, with or without the shared expert's overlap."""
+
+    def __init__(self, dispatcher: ExpertDispatcher, overlap: bool) -> None:
+        self.dispatcher, self.overlap = dispatcher, overlap
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        return self.dispatcher.group
+
+    def __call__(self, xs: Tensor, counts: Tensor, experts: Callable[[Tensor, Tensor], Tensor],
+                 shared: Optional[Callable[[], Tensor]] = None) -> tuple[Tensor, Optional[Tensor]]:
+        if shared is not None and not self.overlap:
+            out, _ = self.dispatcher(xs, counts, experts)
+            return out, shared()
+        return self.dispatcher(xs, counts, experts, shared)
+
+
+def expert_parallel_degree(model: nn.Module) -> int:
+    """ep of `model`'s MoE layers (1 when every expert is local)."""
+    for m in model.modules():
+        if isinstance(m, MoEFeedForward) and m.dispatcher is not None:
+            return m.n_experts // (m.expert_slice.stop - m.expert_slice.start)
+    return 1
+
