@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from core.distributed.comm import CommTimer
 from core.distributed.mesh import ParallelMesh
-from core.distributed.strategy import CollectiveSpec, expert_sharded_parameters
+from core.distributed.strategy import CollectiveSpec, ModelLayout, expert_sharded_parameters
 from core.errors import ConfigError, require
 from core.moe import MoEFeedForward
 
@@ -210,12 +210,7 @@ class ExpertParallel:
         self.timer = CommTimer(mesh.device_obj, enabled=False)
         self.dispatcher = ExpertDispatcher(group, mesh.ep, self.timer)
         for layer in layers:
-            n = layer.n_experts // mesh.ep
-            layer.expert_slice = slice(position * n, (position + 1) * n)
-            for name in ("w1", "w3", "w2"):
-                full = getattr(layer, name)
-                local = nn.Parameter(full.new_empty((n, *full.shape[1:])), requires_grad=full.requires_grad)
-                setattr(layer, name, local)
+            keep_experts(layer, position, mesh.ep)
             layer.dispatcher = _LayerDispatch(self.dispatcher, self.overlap)
 
     # ---- each step ----
@@ -276,6 +271,32 @@ class ExpertParallel:
             expert_numel = 3 * model_cfg.n_experts // mesh.ep * d * model_cfg.expert_d_ff * layers
             out.append(CollectiveSpec("all_reduce", "expert gradients", 4 * expert_numel, 1, ("edp",)))
         return out
+
+
+def keep_experts(layer: MoEFeedForward, position: int, ep: int) -> None:
+    """Replace `layer`'s (meta-device) expert weights by those of ep rank `position`: n_experts / ep of them."""
+    n = layer.n_experts // ep
+    layer.expert_slice = slice(position * n, (position + 1) * n)
+    for name in ("w1", "w3", "w2"):
+        full = getattr(layer, name)
+        setattr(layer, name, nn.Parameter(full.new_empty((n, *full.shape[1:])), requires_grad=full.requires_grad))
+
+
+def expert_layouts(model_cfg, ep: int) -> tuple[ModelLayout, ModelLayout]:
+    """For the planner: one ep rank's parameter layout (its n_experts / ep experts per layer, everything else
+    whole) and the same without the routed experts (what the data-parallel strategy broadcasts and reduces)."""
+    from core.model import TransformerLM
+
+    with torch.device("meta"):
+        model = TransformerLM(model_cfg)
+        layers = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+        for layer in layers:
+            keep_experts(layer, 0, ep)
+        local = ModelLayout.of(model)
+        for layer in layers:
+            for p in layer.expert_parameters():
+                p.requires_grad_(False)  # ModelLayout counts trainable parameters only
+        return local, ModelLayout.of(model)
 
 
 class _LayerDispatch:
