@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from core import stop
 from core.checkpoint import Checkpointer
 from core.data import TokenSource
+from core.distributed.context_parallel import ContextParallel
 from core.distributed.mesh import ParallelMesh
 from core.distributed.pipeline import PipelineParallel
 from core.distributed.strategy import Strategy
@@ -65,6 +66,7 @@ class Run:
     tensor_parallel: TensorParallel  # the model's loss goes through it (vocabulary-parallel under tp > 1)
     pipeline: PipelineParallel      # under pp > 1 it runs each step's micro-batches over the stages
     memory_marks: dict[str, float] = field(default_factory=dict)
+    context_parallel: ContextParallel = field(default_factory=ContextParallel)  # cp > 1: this rank's tokens only
 
     @property
     def device(self) -> torch.device:
@@ -77,8 +79,9 @@ class Run:
     def micro_batch(self, split: str, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of global batch `step` belonging to this rank's micro-step `micro`."""
         start = (self.mesh.dp_rank * self.cfg.train.grad_accum_steps + micro) * self.local_batch
-        return self.data.batch(split, step, self.cfg.train.batch_size, self.cfg.seed, self.device,
+        x, y = self.data.batch(split, step, self.cfg.train.batch_size, self.cfg.seed, self.device,
                                rows=slice(start, start + self.local_batch))
+        return self.context_parallel.shard_batch(x, y)
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of one micro-batch, forward only (for a backward, call it inside the
@@ -115,6 +118,7 @@ class Run:
             total += loss.detach()
         self.strategy.finish_gradient_synchronization()
         self.tensor_parallel.finish_gradients(self.raw_model)
+        self.context_parallel.finish_gradients(self.raw_model, self.strategy)
         return total
 
     def optimizer_step(self, step: int, measure_norm: bool) -> tuple[float | None, bool]:
@@ -179,12 +183,13 @@ def _window_step_seconds(marks: list[tuple[Any, Any, bool]], wall_s: float) -> f
 
 
 def all_reduce_mean(value: torch.Tensor, mesh: ParallelMesh) -> float:
-    """Mean of a scalar over the data-parallel ranks (a no-op on one rank)."""
+    """Mean of a scalar over the data-parallel ranks, cp ranks included (a no-op on one rank). Each cp rank's
+    loss is the mean over its equal share of the tokens, so this is the mean over every token of the step."""
     group = mesh.group("dp")
     if group is not None:
         value = value.clone()
         dist.all_reduce(value, group=group)
-        value /= mesh.dp_size
+        value /= dist.get_world_size(group)
     return float(value)
 
 
@@ -239,11 +244,14 @@ def build(cfg: DictConfig, mesh: ParallelMesh | None = None) -> Run:
     tensor_parallel.validate(mesh, model_cfg, data.seq_len, strategy.name)
     pipeline: PipelineParallel = instantiate(cfg.pipeline)
     pipeline.validate(mesh, model_cfg, cfg, strategy.name, tensor_parallel.name)
+    context_parallel: ContextParallel = instantiate(cfg.context_parallel) if "context_parallel" in cfg \
+        else ContextParallel()
+    context_parallel.validate(mesh, model_cfg, cfg, strategy.name, tensor_parallel.name)
     with torch.device("meta"):
         model = TransformerLM(model_cfg, attention)
     reset_peak_memory(mesh.device_obj)
     parallel = parallelize(model, mesh, tensor_parallel, strategy, cfg.activation_checkpointing, bool(cfg.compile),
-                           int(cfg.seed), pipeline)
+                           int(cfg.seed), pipeline, context_parallel)
     wrapped, n_ckpt = parallel.module, parallel.checkpointed_blocks
     marks = {"after_model_init_gib": peak_memory_gib(mesh.device_obj)}
 
@@ -258,7 +266,7 @@ def build(cfg: DictConfig, mesh: ParallelMesh | None = None) -> Run:
     tokens = cfg.train.batch_size * data.seq_len
     flops = FlopCounter(per_token * tokens, (per_token + recompute) * tokens, peak, source, mesh.world_size)
     return Run(cfg, mesh, strategy, precision, model_cfg, wrapped, model, optimizer, schedule, data, flops,
-               run_dir, local_batch, attention.name, tensor_parallel, pipeline, marks)
+               run_dir, local_batch, attention.name, tensor_parallel, pipeline, marks, context_parallel)
 
 
 def _build_loggers(cfg: DictConfig, is_main: bool) -> Logger:

@@ -130,6 +130,9 @@ def validate(cfg: DictConfig, check_devices: bool = True) -> ParallelMesh:
     wants_checkpoints = bool(cfg.checkpoint.every or cfg.checkpoint.at_end or cfg.resume)
     tensor_parallel.validate_checkpointing(mesh, strategy.name, wants_checkpoints)
     instantiate(cfg.pipeline).validate(mesh, instantiate(cfg.model), cfg, strategy.name, tensor_parallel.name)
+    if "context_parallel" in cfg:
+        instantiate(cfg.context_parallel).validate(mesh, instantiate(cfg.model), cfg, strategy.name,
+                                                   tensor_parallel.name)
     return mesh
 
 

@@ -67,3 +67,113 @@ def test_chunks_cover_the_sequence_once():
         held = torch.cat([chunk_indices(8 * cp, cp, r) for r in range(cp)])
         assert sorted(held.tolist()) == list(range(8 * cp))
         assert chunk_indices(8 * cp, cp, 0)[-1] == 8 * cp - 1  # rank 0 holds the last chunk too
+
+
+STEPS = 3
+# GQA (2 KV heads for 4 query heads); 32 tokens: 2*cp = 4 chunks, and each cp rank's 16 split over tp = 2
+COMMON = ["model=tiny", "model.n_kv_heads=2", "model.n_layers=2", "data=synthetic", "data.seq_len=32",
+          "train.batch_size=4", f"train.max_steps={STEPS}", "optimizer.warmup_steps=1", "logger=none",
+          "mesh.device=cpu", "mesh.timeout_s=120"]
+CP2 = {  # 2 ranks: mesh.cp=2 alone
+    "none": ["parallelism=none"],
+    "fsdp": ["parallelism=fsdp"],  # shards over dp_shard x cp = 2 ranks
+    "flash_torch_zero1": ["parallelism=zero1", "attention_impl=flash_torch"],
+}
+CP2_X4 = {  # 4 ranks
+    "tp2_megatron_sp": ["mesh.tp=2", "parallelism=none"],
+    "tp2_megatron_nosp_ddp": ["mesh.tp=2", "tensor_parallel.sequence_parallel=false", "parallelism=ddp_bucketed"],
+    "dp2_fsdp": ["mesh.dp_shard=2", "parallelism=fsdp"],
+}
+
+
+def _train(cfg) -> dict:
+    """STEPS optimizer steps through the trainer: each step's global loss and grad norm, and this rank's gradients
+    of the first step (after synchronisation, before clipping)."""
+    from core.trainer import all_reduce_mean, build
+
+    run = build(cfg)
+    losses, norms, grads = [], [], {}
+    for step in range(STEPS):
+        loss = run.forward_backward(step)
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in run.raw_model.named_parameters() if p.grad is not None}
+        norm, _ = run.optimizer_step(step, measure_norm=True)
+        losses.append(all_reduce_mean(loss, run.mesh))
+        norms.append(norm)
+    return {"losses": losses, "norms": norms, "grads": grads, "model": run.raw_model,
+            "tokens": run.micro_batch("train", 0, 0)[0].shape[1]}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cp_ref")
+    ref = _train(compose_cfg(COMMON + ["mesh=single"], tmp / "single"))
+    ref.pop("model")
+    assert ref.pop("tokens") == 32
+    path = tmp / "ref.pt"
+    torch.save(ref, path)
+    return str(path)
+
+
+def _train_worker(rank: int, world: int, configs: dict, ref_path: str, tmp: str) -> None:
+    from core.model import part_of_full
+
+    ref = torch.load(ref_path)
+    for name, overrides in configs.items():
+        cfg = compose_cfg(COMMON + ["mesh=single", "mesh.cp=2"] + overrides, Path(tmp) / name)
+        out = _train(cfg)
+        assert out["tokens"] == 16, f"{name}: a cp rank got {out['tokens']} of 32 tokens"  # the ring really ran
+        for what in ("losses", "norms"):
+            for step, (a, b) in enumerate(zip(out[what], ref[what])):
+                assert abs(a - b) <= 1e-4 * abs(b), f"{name}: step {step + 1} {what} {a} != one process's {b}"
+        if "fsdp" in name or "zero1" in name:
+            continue  # gradients sharded over dp x cp: the norms cover them
+        for pname, full in ref["grads"].items():  # every cp rank holds the whole (tp part of the) gradient
+            want = part_of_full(out["model"].get_submodule(pname.rsplit(".", 1)[0]), full)
+            got = out["grads"][pname]
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), \
+                f"{name} {pname}: max error {(got - want).abs().max():.3e}"
+
+
+def test_cp2_trains_like_one_process(reference, tmp_path):
+    run_ranks(_train_worker, world_size=2, args=(CP2, reference, str(tmp_path)), timeout_s=120)
+
+
+def test_cp2_with_tp2_or_dp2_trains_like_one_process(reference, tmp_path):
+    run_ranks(_train_worker, world_size=4, args=(CP2_X4, reference, str(tmp_path)), timeout_s=120)
+
+
+REFUSED = [
+    (["data.seq_len=30"], "data.seq_len", "2*cp=4 equal chunks"),
+    (["mesh.pp=2", "model.n_layers=2"], "mesh.cp", "pipeline parallelism"),
+    (["attention_impl=compiled"], "attention_impl", "cannot run as ring-attention blocks"),
+    (["parallelism=torch_ddp"], "parallelism", "does not compose with context_parallel=ring"),
+    (["mesh.tp=2", "tensor_parallel=dtensor"], "tensor_parallel", "does not compose with context parallelism"),
+    (["mesh.tp=4", "data.seq_len=12"], "tensor_parallel.sequence_parallel",
+     "do not split over tp=4"),
+    (["checkpoint.at_end=true"], "checkpoint", "not implemented yet"),
+]
+
+
+@pytest.mark.parametrize("overrides, key, words", REFUSED)
+def test_impossible_context_parallel_configs_are_refused(overrides, key, words, tmp_path):
+    from core.errors import ConfigError
+    from launchers.job import validate
+
+    cfg = compose_cfg(["model=tiny", "data=synthetic", "data.seq_len=32", "mesh.device=cpu", "mesh.cp=2",
+                       "train.batch_size=4", *overrides], tmp_path)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, check_devices=False)
+    assert err.value.key == key and words in str(err.value), str(err.value)
+
+
+def test_refusal_is_one_line_before_any_rank_starts(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "train.py", "model=tiny", "data=synthetic", "mesh.device=cpu", "logger=none",
+           "mesh.cp=2", "data.seq_len=30", f"paths.output_root={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: data.seq_len:") and "divisible by 4 (e.g. 32)" in lines[0], \
+        proc.stderr
+    assert not list(tmp_path.rglob("summary.json"))

@@ -101,16 +101,16 @@ def _flash_torch() -> BlockKernel:
 def _flash_triton() -> BlockKernel:
     from core.kernels import flash_triton as ft
 
+    def four(x: Tensor) -> Tensor:  # the kernels take contiguous (Z, H, N, d)
+        return x.contiguous().reshape(-1, *x.shape[-3:])
+
     def forward(q, k, v, causal):
-        lead = q.shape[:-2]
-        o, lse = ft.flash_fwd_impl(ft._to_4d(q.contiguous()), ft._to_4d(k.contiguous()), ft._to_4d(v.contiguous()),
-                                   causal)
-        return o.reshape(q.shape), lse.reshape(*lead, q.shape[-2])
+        o, lse = ft.flash_fwd_impl(four(q), four(k), four(v), causal)
+        return o.reshape(q.shape), lse.reshape(q.shape[:-1])
 
     def backward(do, q, k, v, o, lse, causal):
-        q4 = ft._to_4d(q.contiguous())
-        dq, dk, dv = ft.flash_bwd_impl(ft._to_4d(do.contiguous()), q4, ft._to_4d(k.contiguous()),
-                                       ft._to_4d(v.contiguous()), ft._to_4d(o.contiguous()),
+        q4 = four(q)
+        dq, dk, dv = ft.flash_bwd_impl(four(do), q4, four(k), four(v), four(o),
                                        lse.contiguous().reshape(q4.shape[:-1]), causal, ft.BWD_TWO_PASS)
         return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
 
@@ -156,8 +156,9 @@ class RingComm:
 
     def start(self, tensors: list[Tensor]) -> tuple[list[Tensor], list]:
         """Send `tensors` to the next rank and receive same-shaped ones from the previous: (received, works)."""
-        recv = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
+        tensors = [t.contiguous() for t in tensors]  # q, k, v arrive as views of the fused projection
+        recv = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in recv]
         self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
         works = dist.batch_isend_irecv(ops)

@@ -4,7 +4,11 @@ Axes follow torchtitan: pp, dp_replicate, dp_shard, cp, tp, ep (degree 1 where u
 World size is pp * dp_replicate * dp_shard * cp * tp. The data-parallel axes (dp_replicate, dp_shard), tensor
 parallelism (tp, `core.distributed.tensor_parallel`) and pipeline parallelism (pp, `core.distributed.pipeline`) are
 implemented: a degree above 1 on any other axis is refused
-here, before anything runs, rather than trained silently as plain data parallelism.
+here, before anything runs, rather than trained silently as plain data parallelism. Context parallelism (cp,
+`core.distributed.context_parallel`) splits each sequence over cp ranks; the strategies' data-parallel group
+('dp') is then dp_replicate x dp_shard x cp (as torchtitan's dp_cp: the cp ranks' gradients of the replicated
+weights are averaged with the others), while the batch is split over dp_replicate x dp_shard only (`dp_size`,
+`dp_rank`).
 One object knows the degrees and hands out sub-meshes and groups; nothing else
 recomputes them.
 """
@@ -25,7 +29,7 @@ from core.distributed.heartbeat import Heartbeat, RankStalledError
 from core.errors import ConfigError, require
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
-NOT_IMPLEMENTED_AXES = ("cp", "ep")  # no strategy shards over these yet
+NOT_IMPLEMENTED_AXES = ("ep",)  # no strategy shards over these yet
 _RANK_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
@@ -131,6 +135,7 @@ class ParallelMesh:
         self._flat: dict = {}
         self._rank = 0
         self._local_rank = 0
+        self._dp_rank, self._cp_rank = 0, 0  # this rank's batch share (dp_replicate x dp_shard) and cp position
         self._initialized = False
         self._heartbeat: Heartbeat | None = None
 
@@ -149,6 +154,7 @@ class ParallelMesh:
     def describe(self) -> str:
         """The mesh as its preset is named (dp1, dp2, ...; conf/mesh/), or its degrees where no preset matches."""
         name = f"dp{self.dp_shard}" if self.dp_replicate == 1 else f"dp_replicate{self.dp_replicate}xdp_shard{self.dp_shard}"
+        name += f"_cp{self.cp}" if self.cp > 1 else ""
         return name + (f"_tp{self.tp}" if self.tp > 1 else "") + (f"_pp{self.pp}" if self.pp > 1 else "")
 
     # ---- devices -------------------------------------------------------------
@@ -198,7 +204,9 @@ class ParallelMesh:
             shape = tuple(getattr(self, a) for a in _RANK_AXES)
             self._device_mesh = init_device_mesh(dev, shape, mesh_dim_names=_RANK_AXES)
             # keep the flattened mesh: slicing a flattened dim from the root is deprecated (torch 2.11)
-            self._flat = {"dp": self._device_mesh[("dp_replicate", "dp_shard")]._flatten("dp")}
+            self._flat = {"dp": self._device_mesh[("dp_replicate", "dp_shard", "cp")]._flatten("dp")}
+            coords = self._device_mesh.get_coordinate()
+            self._dp_rank, self._cp_rank = coords[1] * self.dp_shard + coords[2], coords[3]
         self._device = torch.device(dev, self._local_rank) if dev == "cuda" else torch.device("cpu")
         if dev == "cuda" and self.world_size == 1:
             torch.cuda.set_device(self._device)
@@ -247,7 +255,7 @@ class ParallelMesh:
 
     @property
     def device_mesh(self):
-        """The torch DeviceMesh with dims (pp, dp_replicate, dp_shard, cp, tp) and a flattened 'dp'; None if single."""
+        """The torch DeviceMesh with dims (pp, dp_replicate, dp_shard, cp, tp) and a flattened 'dp' (x cp); None if single."""
         return self._device_mesh
 
     def submesh(self, name: str):
@@ -262,17 +270,21 @@ class ParallelMesh:
         return None if sub is None else sub.get_group()
 
     def dp_group_ranks(self) -> list[list[int]]:
-        """The global ranks of every data-parallel group (one per position on the other axes), in one order on
-        every rank: what each rank must pass to `dist.new_group`, once per group, to make a copy of its own."""
+        """The global ranks of every data-parallel group (dp_replicate x dp_shard x cp, one per pp and tp position), in
+        one order on every rank: what each rank must pass to `dist.new_group`, once per group, to make a copy of its own."""
         if self._device_mesh is None:
             return [[0]]
         grid = self._device_mesh.mesh  # (pp, dp_replicate, dp_shard, cp, tp)
-        return grid.permute(0, 3, 4, 1, 2).reshape(-1, self.dp_size).tolist()
+        return grid.permute(0, 4, 1, 2, 3).reshape(-1, self.dp_size * self.cp).tolist()
 
     @property
     def dp_rank(self) -> int:
-        sub = self.submesh("dp")
-        return 0 if sub is None else sub.get_local_rank()
+        """This rank's share of the batch (its position on dp_replicate x dp_shard; cp ranks share one)."""
+        return self._dp_rank
+
+    @property
+    def cp_rank(self) -> int:
+        return self._cp_rank
 
     def broadcast_object(self, obj):
         """Rank 0's value of `obj` on every rank (identity on one rank)."""
