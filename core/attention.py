@@ -6,7 +6,9 @@ q of shape (B, H, T_q, D) and k, v of shape (B, H_kv, T_k, D), where H_kv divide
 
 A kernel written as a ``torch.autograd.Function`` with the signature
 ``Fn.apply(q, k, v, is_causal)`` plugs in through `KernelAttention`, named by its
-dotted path in the config (``kernel: core.kernels.flash_triton.FlashAttentionTriton``).
+dotted path in the config (``kernel: core.kernels.flash_triton.FlashAttentionTriton``);
+a kernel with options takes them as a fifth argument, ``Fn.apply(q, k, v, is_causal, config)``,
+the object the plugin's ``config:`` block instantiates (flash_triton's `FlashConfig`).
 """
 from __future__ import annotations
 
@@ -126,10 +128,12 @@ class KernelAttention(AttentionImpl):
 
     `kernel` is the Function's dotted import path. Set `native_gqa` when the kernel
     accepts k, v with fewer heads than q; otherwise k and v are expanded first. `name` is what
-    results tables and summary.json call it (default: the Function's class name).
+    results tables and summary.json call it (default: the Function's class name). `config`, when
+    given, is passed to every call as the Function's fifth argument (the kernel's own options object).
     """
 
-    def __init__(self, kernel: str, native_gqa: bool = False, name: str | None = None) -> None:
+    def __init__(self, kernel: str, native_gqa: bool = False, name: str | None = None,
+                 config: object | None = None) -> None:
         try:
             fn = get_object(kernel)
         except Exception as e:  # ImportError, AttributeError, hydra's own wrapper
@@ -137,13 +141,16 @@ class KernelAttention(AttentionImpl):
                               "name an existing torch.autograd.Function by its dotted path") from None
         self.kernel = kernel
         self.native_gqa = native_gqa
+        self.config = config
         self._apply: Callable[..., Tensor] = fn.apply
+        self._extra: tuple = () if config is None else (config,)
         self.name = name or kernel.rsplit(".", 1)[-1]
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = True) -> Tensor:
         if not self.native_gqa:
             k, v = repeat_kv(k, q.shape[-3]), repeat_kv(v, q.shape[-3])
-        return self._apply(q, k, v, is_causal)
+        return self._apply(q, k, v, is_causal, *self._extra)
 
     def __repr__(self) -> str:
-        return f"KernelAttention(kernel={self.kernel!r})"
+        extra = "" if self.config is None else f", config={self.config!r}"
+        return f"KernelAttention(kernel={self.kernel!r}{extra})"

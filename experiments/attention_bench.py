@@ -30,16 +30,14 @@ forward+backward allocates beyond its inputs.
 without the host's launch path (Python, autograd, dispatch). At B = H = 1 and S <= 4096 every
 implementation's eager time is mostly that host path; the graph columns compare the kernels.
 
-Pin Triton tiles for a variant with an impl name like
-``flash_triton@fwd=128x64x8x3,dq=128x64x8x3,dkdv=64x128x8x3`` (BLOCK_M x BLOCK_N x warps x stages, and
-optionally x maxnreg, a cap on registers per thread: ``dkdv=64x64x4x3x168``),
-or ``flash_triton_fused@fused=64x64x4x3`` for the fused backward kernel. ``flash_triton@gluon=1`` runs the
-two-pass backward's dK/dV pass with the Gluon kernel for Hopper (core/kernels/flash_gluon.py) where it applies;
-``flash_triton@ws=0`` turns off the warp-specialised Gluon backward (the default for long rows on Hopper, and
-the atomic-dQ variant's kernel there), so the two-pass or Triton atomic backward runs instead.
-``flash_triton@native=0`` keeps eager calls on the Python autograd Function instead of the C++ autograd node
-(core/kernels/flash_native.py). ``flash_triton@merge=0`` runs the split-KV forward (small grids) in two launches,
-the split kernel and then the merge kernel, instead of one launch whose last split merges.
+A flash_triton variant is its `FlashConfig` (core/kernels/flash_triton/config.py) with overrides after an `@`,
+comma-separated: a kernel's tiles, ``flash_triton@fwd=128x64x8x3,dq=128x64x8x3,dkdv=64x128x8x3`` (BLOCK_M x
+BLOCK_N x warps x stages, and optionally x maxnreg, a cap on registers per thread: ``dkdv=64x64x4x3x168``;
+``flash_triton_fused@fused=64x64x4x3`` for the fused backward kernel), or any config field:
+``flash_triton@hopper_ws=0`` (no warp-specialised Gluon backward on Hopper: the two-pass or Triton atomic-dQ
+backward runs instead), ``flash_triton@split_merge=separate`` (the split-KV forward in two launches, split kernel
+then merge kernel), ``flash_triton@split_kv=0``, ``flash_triton@backward=two_pass``. `flash_triton_atomic` and
+`flash_triton_fused` are `flash_triton@backward=atomic_dq` and `@backward=fused`.
 """
 from __future__ import annotations
 
@@ -79,8 +77,8 @@ class Shape(NamedTuple):
 
 ALL_IMPLS = ("naive", "compiled", "sdpa_flash", "sdpa_cudnn", "flash_torch", "flash_triton", "flash_triton_atomic",
              "flash_triton_fused")
-TRITON_CLASSES = {"flash_triton": "FlashAttentionTriton", "flash_triton_atomic": "FlashAttentionTritonAtomicDQ",
-                  "flash_triton_fused": "FlashAttentionTritonFusedBwd"}
+# each flash_triton impl name's config overrides (FlashConfig.with_overrides), before the name's own `@...`
+TRITON_VARIANTS = {"flash_triton": "", "flash_triton_atomic": "backward=atomic_dq", "flash_triton_fused": "backward=fused"}
 FLASH_TORCH_MAX_SEQ = 1024
 # the training preset: a global batch of TRAINING_TOKENS tokens per step at each sequence length
 TRAINING_TOKENS, TRAINING_HEADS = 65536, 16
@@ -140,31 +138,22 @@ def make_impl(name: str):
     if base == "flash_torch":
         from core.kernels.flash_torch import FlashAttentionTorch
         return _expanding_kv(FlashAttentionTorch.apply)
-    if base in TRITON_CLASSES:  # _atomic: one-pass backward, atomic fp32 dQ; _fused: one fused bwd launch
-        from core.kernels import flash_triton as ft
-        pins = {}
-        for part in filter(None, spec.split(",")):
-            kname, _, cfg = part.partition("=")
-            pins[kname] = tuple(int(x) for x in cfg.split("x"))
-
-        # @gluon=1: the Gluon dK/dV kernel where it applies (Hopper, d = 64; core/kernels/flash_gluon.py);
-        # @ws=0: no warp-specialised Gluon backward
-        gluon = bool(pins.pop("gluon", (0,))[0])
-        ws = bool(pins.pop("ws", (1,))[0])
-        native = bool(pins.pop("native", (1,))[0])  # @native=0: the Python autograd Function, not the C++ node
-        # @merge=0: the split-KV forward in two launches (split kernel, then merge kernel), the baseline
-        merge = bool(pins.pop("merge", (1,))[0])
-        pinned = {n: tuple(c) for n, c in pins.items()}
-        apply = getattr(ft, TRITON_CLASSES[base]).apply
+    if base in TRITON_VARIANTS:  # _atomic: one-pass backward, atomic fp32 dQ; _fused: one fused bwd launch
+        from core.kernels.flash_triton import FlashAttentionTriton
+        cfg = triton_config(name)
 
         def fa(q, k, v, causal):
-            if ft._PINNED != pinned:  # variants share the process: re-pin only when it changed
-                ft.pin_configs(**pins)
-            ft.GLUON_DKDV, ft.GLUON_WS, ft.NATIVE_NODE, ft.FWD_MERGE_IN_KERNEL = gluon, ws, native, merge
-            return apply(q, k, v, causal)
+            return FlashAttentionTriton.apply(q, k, v, causal, cfg)
         return _expanding_kv(fa)
     raise ValueError(f"unknown impl {name!r}: use one of {', '.join(ALL_IMPLS)} (flash_triton@..., "
                      "flash_triton_fused@fused=... for pinned tiles)")
+
+
+def triton_config(name: str):
+    """The FlashConfig of a flash_triton impl name: its variant's overrides, then those after `@`."""
+    from core.kernels.flash_triton import FlashConfig
+    base, _, spec = name.partition("@")
+    return FlashConfig().with_overrides(TRITON_VARIANTS[base]).with_overrides(spec)
 
 
 def attn_flops(b: int, h: int, s: int, d: int, mode: str, causal: bool = True) -> float:
@@ -267,27 +256,25 @@ CHECK_CASES = [  # (B, H, N_q, N_k, D), dtype, pinned tiles or None (autotuned)
 def check_correctness(cases=CHECK_CASES, variants=("flash_triton",)) -> list[str]:
     """flash_triton against a float64 reference on the GPU (out, lse, dq, dk, dv); poisoned outputs.
 
-    variants: impl names from TRITON_CLASSES (backward variants), each checked on every case."""
+    variants: impl names from TRITON_VARIANTS (backward variants), each checked on every case."""
     from core.kernels import flash_triton as ft
     from core.kernels._flash_common import reference_attention
-    ft.POISON_OUTPUTS = True
     lines = ["| impl | shape (B,H,Nq,Nk,D) | dtype | causal | out | lse | dq | dk | dv |",
              "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     worst = 0.0
     for (b, h, nq, nk, d), dtype, pins in cases:
-        ft.pin_configs(**(pins or {}))
         for variant in variants:
-            fn_cls = getattr(ft, TRITON_CLASSES[variant])
+            cfg = triton_config(variant).replace(tiles=pins or {}, poison_outputs=True)
             for causal in (True, False):
                 # non-contiguous q (B, T, H, D) transposed, as the model passes it
                 q = torch.randn(b, nq, h, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
                 k = torch.randn(b, h, nk, d, device="cuda", dtype=dtype, requires_grad=True)
                 v = torch.randn(b, h, nk, d, device="cuda", dtype=dtype, requires_grad=True)
-                o = fn_cls.apply(q, k, v, causal)
+                o = ft.FlashAttentionTriton.apply(q, k, v, causal, cfg)
                 do = torch.randn_like(o)
                 o.backward(do)
-                _, lse = ft.flash_attention_with_lse(q.detach(), k.detach(), v.detach(), causal)
+                _, lse = ft.flash_attention_with_lse(q.detach(), k.detach(), v.detach(), causal, cfg)
                 qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
                 ro, rl = reference_attention(qr, kr, vr, causal)
                 ro.backward(do.double())
@@ -304,8 +291,6 @@ def check_correctness(cases=CHECK_CASES, variants=("flash_triton",)) -> list[str
                              f"{causal} | "
                              + " | ".join(f"{e:.1e}" for e in errs) + " |")
                 print(lines[-1], flush=True)
-    ft.POISON_OUTPUTS = False
-    ft.pin_configs()
     lines.append(f"\nworst relative error: {worst:.2e} ({'PASS' if worst < 2e-2 else 'FAIL'})")
     return lines
 
@@ -448,7 +433,7 @@ def main(argv=None) -> int:
         print("\n".join(out), flush=True)
         # the backward variants being benchmarked (the default one always)
         asked = {i.partition("@")[0] for i in impls}
-        variants = [v for v in TRITON_CLASSES if v == "flash_triton" or v in asked]
+        variants = [v for v in TRITON_VARIANTS if v == "flash_triton" or v in asked]
         out += check_correctness(variants=tuple(variants))
         print(out[-1], flush=True)
 
@@ -486,8 +471,6 @@ def main(argv=None) -> int:
     if args.preset == "leaderboard" and "flash_triton" in impls:
         out += ["\n### flash_triton kernels alone (no autograd), leaderboard shape\n"]
         from core.kernels import flash_triton as ft
-        ft.pin_configs()
-        ft.GLUON_DKDV, ft.GLUON_WS = False, True
         q, k, v, do = (torch.randn(1, 16, 16384, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         o, lse = ft.flash_fwd_impl(q, k, v, True)
         t_f = do_bench(lambda: ft.flash_fwd_impl(q, k, v, True), warmup=warmup, rep=rep, return_mode="median")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.kernels import flash_triton as ft
+from core.kernels.flash_triton import common as ftc
 from tests.test_flash_attention import TRITON_OK
 from tests.utils import FAST, compose_cfg, read_metrics, read_summary, run_train
 
@@ -15,7 +15,7 @@ from tests.utils import FAST, compose_cfg, read_metrics, read_summary, run_train
 # runs under the Triton interpreter (its GPU path is checked against float64 in tests/test_flash_attention.py)
 IMPLS = [pytest.param("flash_torch", id="flash_torch"),
          pytest.param("flash_triton", id="flash_triton",
-                      marks=pytest.mark.skipif(not (TRITON_OK and ft.INTERPRET), reason="needs the Triton interpreter "
+                      marks=pytest.mark.skipif(not (TRITON_OK and ftc.INTERPRET), reason="needs the Triton interpreter "
                                                "(TRITON_INTERPRET=1, set by tests/conftest.py on machines without CUDA)"))]
 SMALL = ["train.batch_size=2", "data.max_bytes=100000", "model.context_length=64", "mesh.device=cpu"]
 

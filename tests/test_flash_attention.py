@@ -19,8 +19,8 @@ from core.errors import ConfigError  # noqa: E402
 from core.kernels import flash_triton as ft  # noqa: E402
 from core.kernels._flash_common import reference_attention  # noqa: E402
 from core.kernels.flash_torch import FlashAttentionTorch  # noqa: E402
-from core.kernels.flash_triton import (FlashAttentionTriton, FlashAttentionTritonAtomicDQ,  # noqa: E402
-                                       FlashAttentionTritonFusedBwd, flash_attention_with_lse)
+from core.kernels.flash_triton import FlashAttentionTriton, FlashConfig, flash_attention_with_lse  # noqa: E402
+from core.kernels.flash_triton import common as ftc, dispatch as ftd, launch as ftl  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -32,7 +32,7 @@ def _triton_usable() -> bool:
         return False
     if CUDA:
         return True
-    if not ft.INTERPRET:
+    if not ftc.INTERPRET:
         return False
     try:
         x = torch.randn(1, 1, 4, 16)
@@ -89,14 +89,22 @@ def check_against_reference(fn, q, k, v, causal, tol):
             assert (g.double() - gr).abs().max() < 1e-2, name
 
 
+def triton_with(cfg: FlashConfig):
+    """FlashAttentionTriton.apply with a config: fn(q, k, v, is_causal)."""
+    def fn(q, k, v, is_causal):
+        return FlashAttentionTriton.apply(q, k, v, is_causal, cfg)
+    return fn
+
+
+TWO_PASS, ATOMIC_DQ, FUSED = (FlashConfig(backward=b) for b in ("two_pass", "atomic_dq", "fused"))
+# flash_triton with the default config ("auto": the fused backward at these small grids) and the other two backward
+# variants pinned
 IMPLS = [pytest.param(FlashAttentionTorch.apply, id="flash_torch"),
          pytest.param(FlashAttentionTriton.apply, id="flash_triton", marks=needs_triton),
-         pytest.param(FlashAttentionTritonAtomicDQ.apply, id="flash_triton_atomic_dq", marks=needs_triton),
-         pytest.param(FlashAttentionTritonFusedBwd.apply, id="flash_triton_fused_bwd", marks=needs_triton)]
-# the Triton backward variants, for the tests that take the class
-BWD_CLASSES = pytest.mark.parametrize("fn_cls", [FlashAttentionTriton, FlashAttentionTritonAtomicDQ,
-                                                 FlashAttentionTritonFusedBwd],
-                                      ids=["two_pass", "atomic_dq", "fused"])
+         pytest.param(triton_with(TWO_PASS), id="flash_triton_two_pass", marks=needs_triton),
+         pytest.param(triton_with(ATOMIC_DQ), id="flash_triton_atomic_dq", marks=needs_triton)]
+# each Triton backward variant, for the tests that take a config
+BWD_CONFIGS = pytest.mark.parametrize("cfg", [TWO_PASS, ATOMIC_DQ, FUSED], ids=["two_pass", "atomic_dq", "fused"])
 
 # (q shape, n_k, causal): odd lengths, N_q != N_k both ways (causal bottom-right), extra lead dims
 CASES = [((2, 2, 37, 16), 37, True), ((1, 2, 33, 32), 70, True), ((1, 2, 70, 16), 33, True),
@@ -206,12 +214,11 @@ def test_grouped_query_views_through_the_plugin(impl):
 @pytest.mark.parametrize("tiles", [(32, 16), (16, 32), (16, 16)], ids=["bm32_bn16", "bm16_bn32", "bm16_bn16"])
 @pytest.mark.parametrize("n_q,n_k", [(70, 130), (130, 70)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_fused_bwd_tile_pairing(tiles, n_q, n_k, causal, monkeypatch):
-    monkeypatch.setattr(ft, "POISON_OUTPUTS", True)
-    monkeypatch.setattr(ft, "_PINNED", {"fused": (*tiles, 4, 1)})
+def test_fused_bwd_tile_pairing(tiles, n_q, n_k, causal):
+    cfg = FlashConfig(backward="fused", poison_outputs=True, tiles={"fused": (*tiles, 4, 1)})
     torch.manual_seed(7)
     q, k, v = make_qkv((1, 1, n_q, 16), n_k, torch.float32)
-    check_against_reference(FlashAttentionTritonFusedBwd.apply, q, k, v, causal, TOL[torch.float32])
+    check_against_reference(triton_with(cfg), q, k, v, causal, TOL[torch.float32])
 
 
 # Split-KV forward: each query tile's keys cut into splits, one program each, merged by logsumexp. Forced
@@ -221,123 +228,115 @@ def test_fused_bwd_tile_pairing(tiles, n_q, n_k, causal, monkeypatch):
 @pytest.mark.parametrize("split_keys", [1, 40, 1000], ids=["one_tile", "several_tiles", "one_split"])
 @pytest.mark.parametrize("n_q,n_k,causal", [(70, 130, True), (130, 70, True), (90, 90, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_split_kv_forward(split_keys, n_q, n_k, causal, dtype, monkeypatch):
-    monkeypatch.setattr(ft, "POISON_OUTPUTS", True)
-    monkeypatch.setattr(ft, "FWD_SPLIT_KEYS", split_keys)
+def test_split_kv_forward(split_keys, n_q, n_k, causal, dtype):
+    cfg = FlashConfig(poison_outputs=True, split_keys=split_keys)
     torch.manual_seed(11)
     q, k, v = make_qkv((1, 2, n_q, 32), n_k, dtype)
-    out, lse = flash_attention_with_lse(q.detach(), k.detach(), v.detach(), causal)
+    out, lse = flash_attention_with_lse(q.detach(), k.detach(), v.detach(), causal, cfg)
     ref, ref_lse = reference_attention(*(x.detach().double() for x in (q, k, v)), causal)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
     assert (lse.double()[finite] - ref_lse[finite]).abs().max() < (1e-2 if CUDA or dtype != torch.float32 else 1e-3)
     assert rel_err(out, ref) < TOL[dtype]
-    check_against_reference(FlashAttentionTriton.apply, q, k, v, causal, TOL[dtype])
+    check_against_reference(triton_with(cfg), q, k, v, causal, TOL[dtype])
 
 
 @needs_triton
 @pytest.mark.parametrize("one_loop", [True, False], ids=["one_loop", "two_loops"])
-def test_split_kv_merge_in_kernel_matches_two_launches(one_loop, monkeypatch):
+def test_split_kv_merge_in_kernel_matches_two_launches(one_loop):
     """The one-launch split-KV forward (the split that arrives last merges, in split order) gives the two-launch
-    forward's output and logsumexp bit for bit, whether each split walks its keys in one masked loop or in an
-    unmasked and a masked one, and leaves its arrival counts at 0 for the next launch (run twice)."""
-    monkeypatch.setattr(ft, "FWD_SPLIT_KEYS", 48)
-    monkeypatch.setattr(ft, "SHORT_ROW_TILES", 1 << 30 if one_loop else 0)
+    forward's (`split_merge: separate`) output and logsumexp bit for bit, whether each split walks its keys in one
+    masked loop or in an unmasked and a masked one, and leaves its arrival counts at 0 for the next launch (run
+    twice)."""
+    cfg = FlashConfig(split_keys=48, short_row_tiles=1 << 30 if one_loop else 0)
     torch.manual_seed(12)
     q, k, v = make_qkv((2, 2, 150, 32), 150, torch.bfloat16)
     q, k, v = (x.detach() for x in (q, k, v))
-    results = {}
-    for merge_in_kernel in (False, True, True):
-        monkeypatch.setattr(ft, "FWD_MERGE_IN_KERNEL", merge_in_kernel)
-        results.setdefault(merge_in_kernel, []).append(flash_attention_with_lse(q, k, v, True))
-    (two_out, two_lse), = results[False]
-    for out, lse in results[True]:
+    two_out, two_lse = flash_attention_with_lse(q, k, v, True, cfg.replace(split_merge="separate"))
+    for _ in range(2):
+        out, lse = flash_attention_with_lse(q, k, v, True, cfg)
         assert torch.equal(out, two_out) and torch.equal(lse, two_lse)
-    assert not ft._ARRIVALS.get(q.device, 1).any()
+    assert not ftl._ARRIVALS.get(q.device, 1).any()
 
 
 def test_split_kv_policy(monkeypatch):
     """Split only where the one-kernel grid leaves SMs idle and rows are long: about 2 programs per SM, at most
-    MAX_FWD_SPLITS splits."""
-    monkeypatch.setattr(ft, "INTERPRET", False)
-    monkeypatch.setattr(ft, "FWD_SPLIT_KEYS", None)
-    monkeypatch.setattr(ft, "_sm_count", lambda device: 132)
+    `max_splits` splits."""
+    monkeypatch.setattr(ftc, "INTERPRET", False)
+    monkeypatch.setattr(ftl, "_sm_count", lambda device: 132)
     dev = torch.device("cuda", 0)
-    assert ft.MAX_FWD_SPLITS == 4
-    assert ft._fwd_split_len(dev, 1, 4096, 4096, 64, 64) == 16 * 64    # 64 programs -> 4 splits (not 5) of 16 tiles
-    assert ft._fwd_split_len(dev, 1, 2048, 2048, 64, 64) == 8 * 64     # 32 programs -> 4 splits (not 8) of 8 tiles
-    assert ft._fwd_split_len(dev, 1, 8192, 8192, 64, 64) == 43 * 64    # 128 programs -> 3 splits of 43 tiles
-    assert ft._fwd_split_len(dev, 1, 1024, 1024, 64, 64) == 4 * 64     # 16 programs -> 4 splits of 4 tiles
-    assert ft._fwd_split_len(dev, 4, 1024, 1024, 64, 64) == 0          # 64 programs: rows of 16 tiles stay whole
-    assert ft._fwd_split_len(dev, 1, 960, 960, 64, 64) == 0            # 15 key tiles: one kernel
-    assert ft._fwd_split_len(dev, 16, 16384, 16384, 64, 64) == 0       # the leaderboard grid fills the GPU
-    assert ft._fwd_split_len(dev, 1, 16384, 16384, 64, 64) == 0        # 256 programs >= 132 SMs
-    monkeypatch.setattr(ft, "FWD_SPLIT", False)
-    assert ft._fwd_split_len(dev, 1, 4096, 4096, 64, 64) == 0
+    assert FlashConfig().max_splits == 4
+    assert ftd._fwd_split_len(dev, 1, 4096, 4096, 64, 64) == 16 * 64    # 64 programs -> 4 splits (not 5) of 16 tiles
+    assert ftd._fwd_split_len(dev, 1, 2048, 2048, 64, 64) == 8 * 64     # 32 programs -> 4 splits (not 8) of 8 tiles
+    assert ftd._fwd_split_len(dev, 1, 8192, 8192, 64, 64) == 43 * 64    # 128 programs -> 3 splits of 43 tiles
+    assert ftd._fwd_split_len(dev, 1, 1024, 1024, 64, 64) == 4 * 64     # 16 programs -> 4 splits of 4 tiles
+    assert ftd._fwd_split_len(dev, 4, 1024, 1024, 64, 64) == 0          # 64 programs: rows of 16 tiles stay whole
+    assert ftd._fwd_split_len(dev, 1, 960, 960, 64, 64) == 0            # 15 key tiles: one kernel
+    assert ftd._fwd_split_len(dev, 16, 16384, 16384, 64, 64) == 0       # the leaderboard grid fills the GPU
+    assert ftd._fwd_split_len(dev, 1, 16384, 16384, 64, 64) == 0        # 256 programs >= 132 SMs
+    assert ftd._fwd_split_len(dev, 1, 4096, 4096, 64, 64, FlashConfig(split_kv=False)) == 0
+    assert ftd._fwd_split_len(dev, 1, 2048, 2048, 64, 64, FlashConfig(max_splits=8)) == 4 * 64  # 8 splits of 4 tiles
 
 
 def test_fused_grid_covers_both_tile_counts():
-    assert ft._grid("fused", 3, 70, 130, 32, 16) == (9, 3)    # 3 query tiles, 9 key tiles
-    assert ft._grid("fused", 3, 130, 70, 16, 32) == (9, 3)    # 9 query tiles, 3 key tiles
-    assert ft._grid("fused", 1, 1024, 1024, 64, 64) == (16, 1)
-    assert ft._grid("dq", 3, 70, 0, 32, 16) == (3, 3) and ft._grid("dkdv", 3, 130, 0, 32, 16) == (3, 9)
+    assert ftl._grid("fused", 3, 70, 130, 32, 16) == (9, 3)    # 3 query tiles, 9 key tiles
+    assert ftl._grid("fused", 3, 130, 70, 16, 32) == (9, 3)    # 9 query tiles, 3 key tiles
+    assert ftl._grid("fused", 1, 1024, 1024, 64, 64) == (16, 1)
+    assert ftl._grid("dq", 3, 70, 0, 32, 16) == (3, 3) and ftl._grid("dkdv", 3, 130, 0, 32, 16) == (3, 9)
 
 
 @needs_triton
 def test_bwd_variant_policy_and_launches(monkeypatch):
-    """The default class takes the fused backward on small grids and the two-pass one on large grids
-    (`_use_fused`, from the H100 measurements); the fused variant is one backward launch, so forward +
-    backward = 2 launches."""
+    """The default config takes the fused backward on small grids and the two-pass one on large grids
+    (`_use_fused`, from the H100 measurements, its limits in the config); `backward` pins a variant; the fused
+    variant is one backward launch, so forward + backward = 2 launches."""
     launched = []
-    real_launch = ft._launch
-    monkeypatch.setattr(ft, "NATIVE_NODE", False)  # the Python path's launches (the C++ node replays them unseen)
+    real_launch = ftd._launch
 
     def spy(name, *args, **kwargs):
         launched.append(name)
         return real_launch(name, *args, **kwargs)
-    monkeypatch.setattr(ft, "_launch", spy)
+    monkeypatch.setattr(ftd, "_launch", spy)
     q, k, v = make_qkv((1, 1, 20, 16), 20, torch.float32)
     # measured boundaries: d <= 64 up to 256 64-row tiles, d = 128 up to 128; the leaderboard grid is two-pass
-    assert ft._use_fused(1, 16384, 16384, 64, torch.bfloat16) and not ft._use_fused(1, 16385, 16385, 64, torch.bfloat16)
-    assert ft._use_fused(1, 8192, 8192, 128, torch.bfloat16) and not ft._use_fused(1, 16384, 16384, 128, torch.bfloat16)
-    assert not ft._use_fused(16, 16384, 16384, 64, torch.bfloat16)
-    assert ft._use_fused(1, 20, 20, 16, torch.float32)
-    FlashAttentionTriton.apply(q, k, v, True).sum().backward()
+    assert ftd._use_fused(1, 16384, 16384, 64) and not ftd._use_fused(1, 16385, 16385, 64)
+    assert ftd._use_fused(1, 8192, 8192, 128) and not ftd._use_fused(1, 16384, 16384, 128)
+    assert not ftd._use_fused(16, 16384, 16384, 64)
+    assert ftd._use_fused(1, 20, 20, 16)
+    assert not ftd._use_fused(1, 20, 20, 16, FlashConfig(fused_max_tiles=0))
+    assert ftd._use_fused(2, 8192, 8192, 128, FlashConfig(fused_max_tiles_wide=256))
+
+    def grads(cfg=None):
+        launched.clear()
+        return torch.autograd.grad(FlashAttentionTriton.apply(q, k, v, True, cfg).sum(), q)[0]
+
+    g_fused = grads()
     assert launched == ["fwd", "fused"]
-    launched.clear()
-    FlashAttentionTritonFusedBwd.apply(q, k, v, True).sum().backward()
+    grads(FUSED)
     assert launched == ["fwd", "fused"]
-    launched.clear()
-    monkeypatch.setattr(ft, "_use_fused", lambda *a: False)
-    FlashAttentionTriton.apply(q, k, v, True).sum().backward()
+    no_fused = FlashConfig(fused_max_tiles=0)  # "auto" on a grid past the fused limit
+    g_two = grads(no_fused)
     assert launched == ["fwd", "dq", "dkdv"]
-    launched.clear()
-    FlashAttentionTritonFusedBwd.apply(q, k, v, True).sum().backward()
+    assert grads(TWO_PASS).equal(g_two) and launched == ["fwd", "dq", "dkdv"]
+    grads(FUSED.replace(fused_max_tiles=0))  # a pinned variant ignores the policy's limits
     assert launched == ["fwd", "fused"]
-    launched.clear()
-    monkeypatch.setattr(ft, "_use_fused", lambda *a: True)
-    g_fused = torch.autograd.grad(FlashAttentionTriton.apply(q, k, v, True).sum(), q)[0]
-    assert launched == ["fwd", "fused"]
-    monkeypatch.setattr(ft, "_use_fused", lambda *a: False)
-    g_two = torch.autograd.grad(FlashAttentionTriton.apply(q, k, v, True).sum(), q)[0]
     assert (g_fused - g_two).abs().max() < SAME_TOL  # another tiling: fp32 sums in another order
     with pytest.raises(ConfigError, match="unknown backward variant"):
-        ft.flash_bwd_impl(q, q, k, v, q, q[..., 0], True, "split")
+        ftd.flash_bwd_impl(q, q, k, v, q, q[..., 0], True, "split")
     # batch x heads beyond the fused grid's dim-1 limit: the two-pass backward runs instead
-    monkeypatch.setattr(ft, "_MAX_GRID_Y", 0)
-    launched.clear()
-    g_big = torch.autograd.grad(FlashAttentionTritonFusedBwd.apply(q, k, v, True).sum(), q)[0]
+    monkeypatch.setattr(ftl, "_MAX_GRID_Y", 0)
+    g_big = grads(FUSED)
     assert launched == ["fwd", "dq", "dkdv"] and (g_big - g_two).abs().max() < SAME_TOL
 
 
 @needs_triton
-@BWD_CLASSES
+@BWD_CONFIGS
 @pytest.mark.parametrize("causal", [True, False])
-def test_triton_logsumexp_and_every_element_written(causal, fn_cls, monkeypatch):
-    monkeypatch.setattr(ft, "POISON_OUTPUTS", True)  # outputs start as NaN: unwritten shows up
+def test_triton_logsumexp_and_every_element_written(causal, cfg):
+    cfg = cfg.replace(poison_outputs=True)  # outputs start as NaN: unwritten shows up
     torch.manual_seed(2)
     q, k, v = make_qkv((1, 2, 45, 16), 30, torch.float32)
-    out, lse = flash_attention_with_lse(q.detach(), k.detach(), v.detach(), causal)
+    out, lse = flash_attention_with_lse(q.detach(), k.detach(), v.detach(), causal, cfg)
     ref, ref_lse = reference_attention(q.detach(), k.detach(), v.detach(), causal)
     assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
@@ -348,7 +347,7 @@ def test_triton_logsumexp_and_every_element_written(causal, fn_cls, monkeypatch)
     assert rel_err(out, ref) < TOL[torch.float32]
     # backward writes every gradient element too
     q.grad = k.grad = v.grad = None
-    fn_cls.apply(q, k, v, causal).sum().backward()
+    FlashAttentionTriton.apply(q, k, v, causal, cfg).sum().backward()
     assert not any(torch.isnan(g).any() for g in (q.grad, k.grad, v.grad))
 
 
@@ -364,8 +363,7 @@ def test_torch_logsumexp_matches():
 @pytest.mark.parametrize("fn_cls", [pytest.param(FlashAttentionTorch, id="flash_torch"),
                                     pytest.param(FlashAttentionTriton, id="flash_triton", marks=needs_triton)])
 def test_saves_one_logsumexp(fn_cls):
-    """q, k, v, the output and one (..., N_q) fp32 logsumexp: what autograd packs for backward (the hooks see the
-    C++ autograd node's saved tensors as well as a Python Function's)."""
+    """q, k, v, the output and one (..., N_q) fp32 logsumexp: what autograd packs for backward."""
     q, k, v = make_qkv((1, 2, 20, 16), 20, torch.float32)
     _assert_saves_one_logsumexp(fn_cls, q, k, v)
 
@@ -383,7 +381,7 @@ def test_saved_logsumexp_has_the_inputs_leading_dims(fn_cls, shape):
 
 
 def _assert_saves_one_logsumexp(fn_cls, q, k, v):
-    for _ in range(2):  # on a GPU the second call goes through flash_triton's C++ autograd node
+    for _ in range(2):  # the second call takes the direct launches on a GPU
         packed = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
             out = fn_cls.apply(q, k, v, True)
@@ -409,13 +407,16 @@ def test_autocast(fn):
 
 
 @needs_triton
-@pytest.mark.parametrize("fn_cls", [FlashAttentionTriton, FlashAttentionTritonFusedBwd], ids=["two_pass", "fused"])
-def test_torch_compile_fullgraph(fn_cls):
+@pytest.mark.parametrize("cfg", [None, TWO_PASS, FlashConfig(split_keys=16, backward="atomic_dq")],
+                         ids=["default", "two_pass", "split_atomic_dq"])
+def test_torch_compile_fullgraph(cfg):
+    """Under torch.compile the Function calls the custom ops, the config travelling as its key string: the same
+    output and gradients as eager with the same config."""
     torch.manual_seed(5)
     q, k, v = make_qkv((1, 2, 24, 16), 24, torch.float32, noncontig=True)
 
     def f(q, k, v):
-        return fn_cls.apply(q * 1.0, k, v, True) * 2.0
+        return FlashAttentionTriton.apply(q * 1.0, k, v, True, cfg) * 2.0
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager" if not CUDA else "inductor")
     out = compiled(q, k, v)
@@ -448,6 +449,12 @@ def test_custom_op_registered():
                                   test_utils=("test_schema", "test_faketensor"))
     grads = torch.ops.scalelab.flash_attn_bwd(do, q, k, v, out, lse, True)  # default: two-pass
     assert max((g - r).abs().max().item() for g, r in zip(grads, ref)) < SAME_TOL
+    # the config as its key string: a forced split forward, the same output
+    key = FlashConfig(split_keys=16).key
+    out2, lse2 = torch.ops.scalelab.flash_attn_fwd(q, k, v, True, key)
+    assert (out2 - out).abs().max() < SAME_TOL and (lse2 - lse).abs().max() < SAME_TOL
+    torch.library.opcheck(torch.ops.scalelab.flash_attn_fwd.default, (q, k, v, True, key),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("fn", IMPLS)
@@ -476,19 +483,20 @@ def test_bench_round_medians():
 
 
 @needs_triton
-def test_bench_impls_on_cpu(monkeypatch):
-    """experiments/attention_bench.py builds every flash_triton impl (pins included) without a GPU;
+def test_bench_impls_on_cpu():
+    """experiments/attention_bench.py builds every flash_triton impl (config overrides included) without a GPU;
     its timing loop itself needs CUDA, and says so."""
     from experiments import attention_bench as bench
     assert {"flash_triton", "flash_triton_atomic", "flash_triton_fused"} <= set(bench.ALL_IMPLS)
-    monkeypatch.setattr(ft, "_PINNED", {})
+    assert bench.triton_config("flash_triton_fused@fused=16x16x4x1,split_merge=separate,hopper_ws=0") == \
+        FlashConfig(backward="fused", tiles={"fused": (16, 16, 4, 1)}, split_merge="separate", hopper_ws=False)
+    assert bench.triton_config("flash_triton") == FlashConfig()
     q, k, v = make_qkv((1, 1, 40, 16), 40, torch.float32)
     grads = []
-    for name in ("flash_triton", "flash_triton_fused", "flash_triton_fused@fused=16x16x4x1"):
+    for name in ("flash_triton", "flash_triton_fused", "flash_triton_fused@fused=16x16x4x1",
+                 "flash_triton@split_keys=16,split_merge=separate"):
         fn = bench.make_impl(name)
         grads.append(torch.autograd.grad(fn(q, k, v).sum(), (q, k, v)))
-        if "@" in name:
-            assert ft._PINNED == {"fused": (16, 16, 4, 1)}
     for g in grads[1:]:
         assert max((a - b).abs().max().item() for a, b in zip(g, grads[0])) < SAME_TOL
     # grouped-query rows (2 query heads per KV head) and non-causal rows, against float64
@@ -500,12 +508,14 @@ def test_bench_impls_on_cpu(monkeypatch):
         assert rel_err(out, ref) < TOL[torch.float32]
     with pytest.raises(ValueError, match="unknown impl"):
         bench.make_impl("flash_triton_split")
+    with pytest.raises(ConfigError, match="unknown override"):
+        bench.make_impl("flash_triton@merge=0")
     if not CUDA:
         assert bench.main(["--preset", "quick", "--impls", "flash_triton_fused"]) == 2
 
 
 def test_triton_refuses_cpu_without_interpreter(monkeypatch):
-    monkeypatch.setattr(ft, "INTERPRET", False)
+    monkeypatch.setattr(ftc, "INTERPRET", False)
     q = torch.randn(1, 1, 8, 16)
     with pytest.raises(ConfigError, match="CUDA only"):
         ft.flash_fwd_impl(q, q, q, True)
@@ -513,31 +523,31 @@ def test_triton_refuses_cpu_without_interpreter(monkeypatch):
 
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@BWD_CLASSES
+@BWD_CONFIGS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_larger_shapes(dtype, fn_cls):
+def test_gpu_larger_shapes(dtype, cfg):
     torch.manual_seed(6)
     q, k, v = make_qkv((2, 4, 1000, 64), 1000, dtype, noncontig=True)
-    check_against_reference(fn_cls.apply, q, k, v, True, TOL[dtype])
+    check_against_reference(triton_with(cfg), q, k, v, True, TOL[dtype])
     q, k, v = make_qkv((1, 2, 300, 128), 777, dtype)
-    check_against_reference(fn_cls.apply, q, k, v, True, TOL[dtype])
+    check_against_reference(triton_with(cfg), q, k, v, True, TOL[dtype])
 
 
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@BWD_CLASSES
+@BWD_CONFIGS
 @pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 80), (torch.float16, 80), (torch.float32, 80),
                                      (torch.bfloat16, 96), (torch.bfloat16, 160), (torch.float16, 192),
                                      (torch.bfloat16, 256), (torch.float32, 256)],
                          ids=lambda x: str(x).replace("torch.", ""))
-def test_gpu_head_dims(d, dtype, fn_cls):
+def test_gpu_head_dims(d, dtype, cfg):
     """Every head-dim class on the GPU's compiled kernels (autotuned tiles, each backward variant): the padded
     80 / 96, and 160-256, whose 256-wide tiles only fit in the smaller configurations; GQA-sized grids with a ragged
     last tile, causal and not."""
     torch.manual_seed(d)
     for causal in (True, False):
         q, k, v = make_qkv((2, 4, 1000, d), 1000, dtype)
-        check_against_reference(fn_cls.apply, q, k, v, causal, TOL[dtype])
+        check_against_reference(triton_with(cfg), q, k, v, causal, TOL[dtype])
 
 
 @gpu
@@ -559,19 +569,15 @@ def test_gpu_split_forward_at_its_own_tiles(n, dtype, d):
     """The split-KV forward chosen on its own (B = H = 1; 32-row tiles and one loop for rows under 32 key tiles,
     64-row tiles and two loops above; a ragged last tile): every dtype and head dim it gets fits its fixed tiles
     and matches float64, causal and not, with outputs poisoned first."""
-    assert ft._fwd_split_len(torch.device("cuda"), 1, n, n, 64, 64) > 0  # the split path, not the one kernel
-    old = ft.POISON_OUTPUTS
-    ft.POISON_OUTPUTS = True
-    try:
-        torch.manual_seed(9)
-        for causal in (True, False):
-            q, k, v = make_qkv((1, 1, n, d), n, dtype)
-            out, lse = flash_attention_with_lse(q.detach(), k.detach(), v.detach(), causal)
-            ref, ref_lse = reference_attention(*(x.detach().double() for x in (q, k, v)), causal)
-            assert rel_err(out, ref) < TOL[dtype]
-            assert (lse.double() - ref_lse).abs().max() < 1e-2
-    finally:
-        ft.POISON_OUTPUTS = old
+    assert ftd._fwd_split_len(torch.device("cuda"), 1, n, n, 64, 64) > 0  # the split path, not the one kernel
+    torch.manual_seed(9)
+    for causal in (True, False):
+        q, k, v = make_qkv((1, 1, n, d), n, dtype)
+        out, lse = flash_attention_with_lse(q.detach(), k.detach(), v.detach(), causal,
+                                            FlashConfig(poison_outputs=True))
+        ref, ref_lse = reference_attention(*(x.detach().double() for x in (q, k, v)), causal)
+        assert rel_err(out, ref) < TOL[dtype]
+        assert (lse.double() - ref_lse).abs().max() < 1e-2
 
 
 @gpu
@@ -590,15 +596,15 @@ def test_gpu_memory_linear_in_sequence():
 
 
 @needs_triton
-@BWD_CLASSES
-def test_expanded_kv_overlapping_layout(fn_cls):
+@BWD_CONFIGS
+def test_expanded_kv_overlapping_layout(cfg):
     """k and v expanded over heads (stride 0, as grouped-query attention can pass them) and an expanded q:
     the kernels write outputs with their operand's strides, so such operands must be copied, not aliased."""
     torch.manual_seed(8)
     q = torch.randn(1, 1, 40, 16, device=DEVICE).expand(2, 3, 40, 16).requires_grad_()
     k = torch.randn(2, 1, 33, 16, device=DEVICE).expand(2, 3, 33, 16).requires_grad_()
     v = torch.randn(2, 1, 33, 16, device=DEVICE).expand(2, 3, 33, 16).requires_grad_()
-    check_against_reference(fn_cls.apply, q, k, v, True, TOL[torch.float32])
+    check_against_reference(triton_with(cfg), q, k, v, True, TOL[torch.float32])
 
 
 @needs_triton
@@ -624,13 +630,13 @@ def test_direct_launch_cache_matches_triton_specialization(monkeypatch):
             calls.append(("jit", args))
             return Compiled()
 
-    monkeypatch.setattr(ft, "INTERPRET", False)
-    monkeypatch.setattr(ft, "FAST_LAUNCH", True)
-    monkeypatch.setattr(ft, "_LAUNCHERS", {})
-    monkeypatch.setattr(ft, "_current_device", lambda: 0)
-    monkeypatch.setattr(ft, "_current_stream", lambda device: 7)
+    monkeypatch.setattr(ftc, "INTERPRET", False)
+    monkeypatch.setattr(ftl, "_direct_ok", True)
+    monkeypatch.setattr(ftl, "_LAUNCHERS", {})
+    monkeypatch.setattr(ftl, "_current_device", lambda: 0)
+    monkeypatch.setattr(ftl, "_current_stream", lambda device: 7)
     raw, x, y = Jit(), torch.zeros(64), torch.zeros(64)
-    launch = lambda *args, **meta: ft._run(raw, (2, 3), args, 2, **meta)  # noqa: E731
+    launch = lambda *args, **meta: ftl._run(raw, (2, 3), args, 2, **meta)  # noqa: E731
     launch(x, y, 5, 0.5, A=1, B=2, num_warps=4)
     launch(x, y, 5, 0.5, A=1, B=2, num_warps=4)               # same signature: direct
     launch(x, y[1:], 5, 0.5, A=1, B=2, num_warps=4)           # a pointer off 16-byte alignment
@@ -647,7 +653,7 @@ def test_direct_launch_cache_matches_triton_specialization(monkeypatch):
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("seq", [300, 2048])
-def test_gpu_direct_launches_repeat_exactly(seq):
+def test_gpu_direct_launches_repeat_exactly(seq, monkeypatch):
     """Repeated calls (the cached direct launches) give the float64-checked results bit for bit, also for
     inputs that are views at other alignments; and equal what JITFunction.run launches give."""
     torch.manual_seed(9)
@@ -655,14 +661,12 @@ def test_gpu_direct_launches_repeat_exactly(seq):
     check_against_reference(FlashAttentionTriton.apply, q, k, v, True, TOL[torch.bfloat16])
     runs = []
     for fast in (True, True, False):
-        ft.FAST_LAUNCH = fast
-        try:
-            q.grad = k.grad = v.grad = None
-            out = FlashAttentionTriton.apply(q, k, v, True)
-            out.backward(torch.ones_like(out))
-            runs.append([t.detach().clone() for t in (out, q.grad, k.grad, v.grad)])
-        finally:
-            ft.FAST_LAUNCH = True
+        monkeypatch.setattr(ftl, "_direct_ok", fast)  # False: every launch through JITFunction.run
+        q.grad = k.grad = v.grad = None
+        out = FlashAttentionTriton.apply(q, k, v, True)
+        out.backward(torch.ones_like(out))
+        runs.append([t.detach().clone() for t in (out, q.grad, k.grad, v.grad)])
+    monkeypatch.setattr(ftl, "_direct_ok", True)
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert torch.equal(a, b)
@@ -673,43 +677,41 @@ def test_gpu_direct_launches_repeat_exactly(seq):
         check_against_reference(FlashAttentionTriton.apply, qv, kv, vv, True, TOL[torch.bfloat16])
 
 
-# ------------------------------------------------------------------ the Gluon dK/dV kernel (Hopper)
+# ------------------------------------------------------------------ the warp-specialised Gluon backward (Hopper)
 _GLUON_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from core.kernels import flash_gluon as fg
-common = dict(IS_CAUSAL=True, HEAD_DIM=64, BLOCK_M=fg.BLOCK_M, BLOCK_N=fg.BLOCK_N)
-for jf, constexprs in ((fg._dkdv_kernel, dict(common, STAGES=fg.STAGES)),
-                       (fg._bwd_ws_kernel, dict(common, STAGES=fg.WS_STAGES, PREFETCH=fg.WS_PREFETCH,
-                                                WS_REGS=fg.WS_REGS))):
-    sig = {}
-    for name in jf.arg_names:
-        if name in constexprs:
-            sig[name] = "constexpr"
-        elif name in ("STATS", "DQ_ACC"):
-            sig[name] = "*fp32"
-        elif name.isupper():
-            sig[name] = "*bf16"
-        else:
-            sig[name] = "fp32" if name.endswith("scale") else "i32"
-    kernel = triton.compile(GluonASTSource(fn=jf, signature=sig, constexprs=constexprs),
-                            target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
-    ptx = kernel.asm["ptx"]
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and kernel.asm["cubin"]
-    # the one-pass kernel adds its dQ parts with bulk tensor reductions, from two warpgroups (8 warps)
-    ws = jf is fg._bwd_ws_kernel
-    assert ("cp.reduce.async.bulk.tensor" in ptx) == ws and kernel.metadata.num_warps == (8 if ws else 4)
+from core.kernels.flash_triton import hopper as fg
+jf = fg._bwd_ws_kernel
+constexprs = dict(IS_CAUSAL=True, HEAD_DIM=64, BLOCK_M=fg.BLOCK_M, BLOCK_N=fg.BLOCK_N, STAGES=fg.WS_STAGES,
+                  PREFETCH=fg.WS_PREFETCH, WS_REGS=fg.WS_REGS)
+sig = {}
+for name in jf.arg_names:
+    if name in constexprs:
+        sig[name] = "constexpr"
+    elif name in ("STATS", "DQ_ACC"):
+        sig[name] = "*fp32"
+    elif name.isupper():
+        sig[name] = "*bf16"
+    else:
+        sig[name] = "fp32" if name.endswith("scale") else "i32"
+kernel = triton.compile(GluonASTSource(fn=jf, signature=sig, constexprs=constexprs),
+                        target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
+ptx = kernel.asm["ptx"]
+assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and kernel.asm["cubin"]
+# dQ parts added with bulk tensor reductions, from two warpgroups (8 warps)
+assert "cp.reduce.async.bulk.tensor" in ptx and kernel.metadata.num_warps == 8
 print("compiled")
 """
 
 
-def test_gluon_dkdv_compiles_for_sm90():
+def test_gluon_ws_compiles_for_sm90():
     """The Gluon kernel compiles for sm_90a with the installed Triton, no GPU needed (the CPU machines run a
     newer Triton than the GPU machine, and Gluon's API moves between releases). In a child process: this
     one's Triton runs kernels under the interpreter, which does not compile."""
-    from core.kernels import flash_gluon as fg
-    if not fg.HAVE_GLUON:
+    from core.kernels.flash_triton import hopper
+    if not hopper.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
     import subprocess
     import sys
@@ -721,54 +723,56 @@ def test_gluon_dkdv_compiles_for_sm90():
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
 
 
-def test_gluon_kernels_only_where_they_apply(monkeypatch):
-    """The Gluon dK/dV pass is off unless asked for, the warp-specialised backward on; neither runs for fp32,
-    other head dims, odd N_q, CPU tensors or under the interpreter, nor the dK/dV pass with pinned tiles."""
+def test_gluon_ws_only_where_it_applies(monkeypatch):
+    """The warp-specialised backward is on by default (`hopper_ws`), and does not run for fp32, other head dims,
+    odd N_q, unaligned rows, other GPUs or under the interpreter."""
+    from core.kernels.flash_triton import hopper
+    if not hopper.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
     x = torch.zeros(1, 1, 64, 64, dtype=torch.bfloat16)
-    monkeypatch.setattr(ft, "INTERPRET", False)
-    monkeypatch.setattr(ft, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(ftc, "INTERPRET", False)
+    monkeypatch.setattr(ftl, "_capability", lambda device: (9, 0))
     monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda", 0)))
-    assert ft._gluon_ws_ok(x, x, 64) and not ft._gluon_dkdv_ok(x, x, 64, False)  # the defaults
-    monkeypatch.setattr(ft, "GLUON_DKDV", True)
-    assert ft._gluon_dkdv_ok(x, x, 64, False) and not ft._gluon_dkdv_ok(x, x, 64, True)
-    for ok in (ft._gluon_ws_ok, lambda q, do, d: ft._gluon_dkdv_ok(q, do, d, False)):
-        assert not ok(x.float(), x.float(), 64)
-        assert not ok(x[..., :32], x[..., :32], 32)
-        assert not ok(x[:, :, :63], x[:, :, :63], 64)  # odd N_q
-        off = torch.zeros(62 * 64 + 4, dtype=torch.bfloat16)[4:].view(1, 1, 62, 64)  # 8 bytes off 16
-        assert not ok(off, x[:, :, :62], 64) and ok(x[:, :, :62], x[:, :, :62], 64)
-    monkeypatch.setattr(ft, "_capability", lambda device: (10, 0))
-    assert not ft._gluon_ws_ok(x, x, 64)
-    monkeypatch.setattr(ft, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(ft, "INTERPRET", True)
-    assert not ft._gluon_ws_ok(x, x, 64)
+    assert ftd._ws_ok(x, x, 64) and not ftd._ws_ok(x, x, 64, FlashConfig(hopper_ws=False))
+    assert not ftd._ws_ok(x.float(), x.float(), 64)
+    assert not ftd._ws_ok(x[..., :32], x[..., :32], 32)
+    assert not ftd._ws_ok(x[:, :, :63], x[:, :, :63], 64)  # odd N_q
+    off = torch.zeros(62 * 64 + 4, dtype=torch.bfloat16)[4:].view(1, 1, 62, 64)  # 8 bytes off 16
+    assert not ftd._ws_ok(off, x[:, :, :62], 64) and ftd._ws_ok(x[:, :, :62], x[:, :, :62], 64)
+    monkeypatch.setattr(ftl, "_capability", lambda device: (10, 0))
+    assert not ftd._ws_ok(x, x, 64)
+    monkeypatch.setattr(ftl, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(ftc, "INTERPRET", True)
+    assert not ftd._ws_ok(x, x, 64)
 
 
 def test_default_backward_policy(monkeypatch):
-    """The default class: fused on small grids, the warp-specialised backward from WS_MIN_ROWS rows where it
-    applies (but not under torch.use_deterministic_algorithms), else two passes."""
-    monkeypatch.setattr(ft, "_gluon_ws_ok", lambda q, do, d: True)
-    long = torch.empty(1, 16, ft.WS_MIN_ROWS, 64, dtype=torch.bfloat16)
-    short = torch.empty(1, 16, ft.WS_MIN_ROWS // 2, 64, dtype=torch.bfloat16)
+    """"auto": fused on small grids, the warp-specialised backward from `ws_min_rows` rows where it applies (but
+    not under torch.use_deterministic_algorithms), else two passes; another `backward` pins its variant."""
+    monkeypatch.setattr(ftd, "_ws_ok", lambda q, do, d, cfg: cfg.hopper_ws)
+    rows = FlashConfig().ws_min_rows
+    long = torch.empty(1, 16, rows, 64, dtype=torch.bfloat16)
+    short = torch.empty(1, 16, rows // 2, 64, dtype=torch.bfloat16)
     small = torch.empty(1, 1, 256, 64, dtype=torch.bfloat16)
-    assert ft._default_bwd(long, long, long) == ft.BWD_ATOMIC_DQ
-    assert ft._default_bwd(short, short, short) == ft.BWD_TWO_PASS
-    assert ft._default_bwd(small, small, small) == ft.BWD_FUSED
+    assert ftd._default_bwd(long, long, long) == ft.BWD_ATOMIC_DQ
+    assert ftd._default_bwd(short, short, short) == ft.BWD_TWO_PASS
+    assert ftd._default_bwd(short, short, short, FlashConfig(ws_min_rows=rows // 2)) == ft.BWD_ATOMIC_DQ
+    assert ftd._default_bwd(small, small, small) == ft.BWD_FUSED
+    assert ftd._default_bwd(long, long, long, FlashConfig(hopper_ws=False)) == ft.BWD_TWO_PASS
+    for name, code in (("two_pass", ft.BWD_TWO_PASS), ("atomic_dq", ft.BWD_ATOMIC_DQ), ("fused", ft.BWD_FUSED)):
+        for x in (long, short, small):
+            assert ftd._default_bwd(x, x, x, FlashConfig(backward=name)) == code
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    assert ft._default_bwd(long, long, long) == ft.BWD_TWO_PASS
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: False)
-    monkeypatch.setattr(ft, "_gluon_ws_ok", lambda q, do, d: False)
-    assert ft._default_bwd(long, long, long) == ft.BWD_TWO_PASS
+    assert ftd._default_bwd(long, long, long) == ft.BWD_TWO_PASS
 
 
 def _gluon_usable() -> bool:
-    from core.kernels import flash_gluon as fg
-    return CUDA and fg.HAVE_GLUON and torch.cuda.get_device_capability() == (9, 0)
+    from core.kernels.flash_triton import hopper
+    return CUDA and hopper.HAVE_GLUON and torch.cuda.get_device_capability() == (9, 0)
 
 
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kernel", ["dkdv", "ws"])
 @pytest.mark.parametrize("shape_q,n_k,causal,dtype", [
     ((2, 3, 258, 64), 258, True, torch.bfloat16),
     ((1, 2, 200, 64), 333, True, torch.bfloat16),   # N_k not a multiple of the 128 keys of a ws program
@@ -776,64 +780,164 @@ def _gluon_usable() -> bool:
     ((2, 2, 1000, 64), 1000, False, torch.float16),
     ((2, 3, 257, 64), 257, True, torch.bfloat16),   # odd N_q: falls back to the Triton kernels
 ])
-def test_gpu_gluon_kernels_match(kernel, shape_q, n_k, causal, dtype, monkeypatch):
-    """The Gluon dK/dV pass (two-pass backward, GLUON_DKDV) and the warp-specialised one-pass backward (atomic dQ,
-    GLUON_WS): gradients against float64, and dK / dV against the Triton two-pass backward's."""
+def test_gpu_gluon_ws_matches(shape_q, n_k, causal, dtype):
+    """The warp-specialised one-pass backward (`backward: atomic_dq` on Hopper): gradients against float64, and
+    dK / dV against the Triton two-pass backward's."""
     if not _gluon_usable():
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
     torch.manual_seed(12)
-    variant = ft.BWD_TWO_PASS if kernel == "dkdv" else ft.BWD_ATOMIC_DQ
-    monkeypatch.setattr(ft, "_default_bwd", lambda q, k, do: variant)
-    monkeypatch.setattr(ft, "GLUON_DKDV", kernel == "dkdv")
-    monkeypatch.setattr(ft, "GLUON_WS", kernel == "ws")
     q, k, v = make_qkv(shape_q, n_k, dtype, noncontig=shape_q[0] == 2 and not causal)
-    ok = ft._gluon_ws_ok if kernel == "ws" else lambda q, do, d: ft._gluon_dkdv_ok(q, do, d, False)
-    assert ok(q.detach(), q.detach(), 64) == (shape_q[2] % 2 == 0)
-    check_against_reference(FlashAttentionTriton.apply, q, k, v, causal, TOL[dtype])
-    out = FlashAttentionTriton.apply(q, k, v, causal)
+    assert ftd._ws_ok(q.detach(), q.detach(), 64) == (shape_q[2] % 2 == 0)
+    check_against_reference(triton_with(ATOMIC_DQ), q, k, v, causal, TOL[dtype])
+    out = FlashAttentionTriton.apply(q, k, v, causal, ATOMIC_DQ)
     do = torch.randn_like(out)
     gk, gv = torch.autograd.grad(out, (k, v), do)
-    monkeypatch.setattr(ft, "_default_bwd", lambda q, k, do: ft.BWD_TWO_PASS)
-    monkeypatch.setattr(ft, "GLUON_DKDV", False)
-    rk, rv = torch.autograd.grad(FlashAttentionTriton.apply(q, k, v, causal), (k, v), do)
+    rk, rv = torch.autograd.grad(FlashAttentionTriton.apply(q, k, v, causal, TWO_PASS), (k, v), do)
     for a, b in ((gk, rk), (gv, rv)):
         assert torch.allclose(a.float(), b.float(), atol=1e-2, rtol=1e-2)
 
 
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kernel", ["dkdv", "ws"])
 @pytest.mark.parametrize("views", [(True, True, True), (False, True, False), (True, False, True)],
                          ids=["views_qkv", "views_k", "views_qv"])
-def test_gpu_gluon_kernels_on_fused_projection_views(kernel, views, monkeypatch):
-    """The Gluon backward kernels address dK / dV with K's / V's strides through TMA descriptors: with q, k, v as
+def test_gpu_gluon_ws_on_fused_projection_views(views):
+    """The Gluon backward addresses dK / dV with K's / V's strides through TMA descriptors: with q, k, v as
     views of the fused projection (row strides of 3 H d), gradients against float64."""
     if not _gluon_usable():
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
     torch.manual_seed(14)
-    variant = ft.BWD_TWO_PASS if kernel == "dkdv" else ft.BWD_ATOMIC_DQ
-    monkeypatch.setattr(ft, "_default_bwd", lambda q, k, do: variant)
-    monkeypatch.setattr(ft, "GLUON_DKDV", kernel == "dkdv")
-    monkeypatch.setattr(ft, "GLUON_WS", kernel == "ws")
     q, k, v = fused_qkv_views(2, 258, 3, 3, 64, torch.bfloat16, views)
-    check_against_reference(FlashAttentionTriton.apply, q, k, v, True, TOL[torch.bfloat16])
+    check_against_reference(triton_with(ATOMIC_DQ), q, k, v, True, TOL[torch.bfloat16])
 
 
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_gpu_default_backward_is_ws_for_long_rows():
-    """At WS_MIN_ROWS rows the default class runs the warp-specialised backward; its gradients agree with the
+    """At `ws_min_rows` rows the default config runs the warp-specialised backward; its gradients agree with the
     two-pass backward's (float64 is too large here)."""
     if not _gluon_usable():
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
     torch.manual_seed(13)
     # 4 heads: a grid too large for the fused backward
-    q, k, v = (torch.randn(1, 4, ft.WS_MIN_ROWS, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(1, 4, FlashConfig().ws_min_rows, 64, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
     do = torch.randn_like(q)
-    assert ft._default_bwd(q, k, do) == ft.BWD_ATOMIC_DQ
+    assert ftd._default_bwd(q, k, do) == ft.BWD_ATOMIC_DQ
     o, lse = ft.flash_fwd_impl(q, k, v, True)
     got = ft.flash_bwd_impl(do, q, k, v, o, lse, True, ft.BWD_ATOMIC_DQ)
     ref = ft.flash_bwd_impl(do, q, k, v, o, lse, True, ft.BWD_TWO_PASS)
     for a, b in zip(got, ref):
         assert torch.isfinite(a).all()
         assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 1e-2
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_split_forward_counts_on_streams_and_in_graphs():
+    """The one-launch split-KV forward shares per-stream arrival counts between launches: launches racing on two
+    streams and CUDA graphs replayed on two streams at once all give the serial results bit for bit, and every
+    count is back at 0 afterwards."""
+    torch.manual_seed(3)
+    shapes = [(1024, 128), (1024, 64), (2048, 64)]  # the short (32-row, one loop) and the 64-row split forward
+    inputs = [[torch.randn(1, 1, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+              for n, d in shapes for _ in range(2)]
+    with torch.no_grad():
+        expected = [ft.flash_fwd_impl(q, k, v, True)[0] for q, k, v in inputs]
+        streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+        results: list[list] = [[], []]
+        torch.cuda.synchronize()
+        for rep in range(20):
+            for j, stream in enumerate(streams):
+                with torch.cuda.stream(stream):
+                    for i in range(j, len(inputs), 2):
+                        q, k, v = inputs[i]
+                        out = FlashAttentionTriton.apply(q, k, v, True) if rep % 2 else ft.flash_fwd_impl(q, k, v, True)[0]
+                        results[j].append((i, out))
+        torch.cuda.synchronize()
+        for j in range(2):
+            for i, out in results[j]:
+                assert torch.equal(out, expected[i]), (j, i)
+        # graphs: each capture has counts of its own, so two graphs of one shape can replay side by side
+        graphs, outs = [], []
+        side = torch.cuda.Stream()
+        for q, k, v in inputs[:2]:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                FlashAttentionTriton.apply(q, k, v, True)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs.append(FlashAttentionTriton.apply(q, k, v, True))
+            graphs.append(graph)
+        torch.cuda.synchronize()
+        for rep in range(20):
+            for graph, stream in zip(graphs, streams):
+                with torch.cuda.stream(stream):
+                    graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(outs[0], expected[0]) and torch.equal(outs[1], expected[1])
+        inputs[0][0].copy_(inputs[1][0])  # new data in a captured input: the replay follows
+        graphs[0].replay()
+        torch.cuda.synchronize()
+        assert torch.equal(outs[0], ft.flash_fwd_impl(*inputs[0], True)[0])
+    assert all(not c.any() for c in ftl._ARRIVALS._by_stream.values())
+
+
+# ------------------------------------------------------------------ the configuration
+def test_config_yaml_is_the_default_config():
+    """conf/attention_impl/flash_triton.yaml's `config:` block builds the default FlashConfig (the measured policy),
+    and the plugin hands it to every call; a changed key reaches the kernels' choices."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from tests.utils import CONF
+    node = OmegaConf.load(CONF / "attention_impl" / "flash_triton.yaml")
+    attn = instantiate(node)
+    assert attn.config == FlashConfig() and attn.config.key == "" and attn.name == "flash_triton"
+    node.config.backward = "two_pass"
+    node.config.tiles = {"fused": [64, 64, 4, 3], "fwd": [128, 64, 8, 3, 168]}
+    cfg = instantiate(node).config
+    assert cfg.backward == "two_pass" and cfg.tile("fwd") == (128, 64, 8, 3, 168) and cfg.tile("dq") is None
+    assert FlashConfig.from_key(cfg.key) == cfg and hash(cfg) == hash(FlashConfig.from_key(cfg.key))
+
+
+@needs_triton
+def test_plugin_passes_its_config(monkeypatch):
+    """KernelAttention(config=...) calls the Function with the config: backward=two_pass launches the two passes
+    where the default would fuse."""
+    from core.attention import KernelAttention
+    launched = []
+    real_launch = ftd._launch
+    monkeypatch.setattr(ftd, "_launch", lambda name, *a, **kw: launched.append(name) or real_launch(name, *a, **kw))
+    q, k, v = make_qkv((1, 2, 20, 16), 20, torch.float32)
+    for cfg, expected in ((None, ["fwd", "fused"]), (TWO_PASS, ["fwd", "dq", "dkdv"])):
+        launched.clear()
+        attn = KernelAttention("core.kernels.flash_triton.FlashAttentionTriton", config=cfg)
+        attn(q, k, v, is_causal=True).sum().backward()
+        assert launched == expected
+
+
+@pytest.mark.parametrize("kwargs,key", [
+    (dict(backward="split"), "attention_impl.config.backward"),
+    (dict(split_merge="later"), "attention_impl.config.split_merge"),
+    (dict(tiles={"bwd": (64, 64, 4, 3)}), "attention_impl.config.tiles"),
+    (dict(tiles={"fwd": (64, 48, 4, 3)}), "attention_impl.config.tiles.fwd"),
+    (dict(tiles={"fwd": (64, 64)}), "attention_impl.config.tiles.fwd"),
+    (dict(max_splits=1), "attention_impl.config.max_splits"),
+    (dict(split_keys=0), "attention_impl.config.split_keys"),
+    (dict(ws_min_rows=-1), "attention_impl.config.ws_min_rows"),
+])
+def test_config_refuses_bad_values(kwargs, key):
+    with pytest.raises(ConfigError) as err:
+        FlashConfig(**kwargs)
+    assert err.value.key == key
+
+
+def test_config_overrides():
+    cfg = FlashConfig().with_overrides("backward=fused,hopper_ws=0,split_keys=64,fwd=64x32x4x2,dkdv=64x64x4x3x168")
+    assert cfg == FlashConfig(backward="fused", hopper_ws=False, split_keys=64,
+                              tiles={"fwd": (64, 32, 4, 2), "dkdv": (64, 64, 4, 3, 168)})
+    assert cfg.with_overrides("split_keys=none").split_keys is None
+    with pytest.raises(ConfigError, match="unknown override"):
+        FlashConfig().with_overrides("native=0")

@@ -1,4 +1,2 @@
-"""Attention kernels. Importing the package installs flash_native's C++ autograd node as the eager CUDA path of
-`flash_triton.FlashAttentionTriton` (flash_native imports flash_triton, never the reverse; the node builds on first
-use, and only where CUDA and a tested Triton are present)."""
-from core.kernels import flash_native  # noqa: F401
+"""Attention kernels: `flash_torch` (tiled PyTorch, the readable reference) and the `flash_triton` package
+(Triton kernels, a Hopper backward in Gluon); `_flash_common` holds their input checks and float64 reference."""

@@ -1,9 +1,9 @@
-"""The FlashAttention-2 backward for Hopper (sm_90) in Gluon: a dK/dV pass, and a warp-specialised one-pass
-backward with dQ reduced through the TMA engine.
+"""Hopper-specific (sm_90) kernels in Gluon: the warp-specialised one-pass FlashAttention-2 backward, with dQ
+reduced through the TMA engine, and the host code that decides where it applies and launches it.
 
 Gluon is Triton's lower-level dialect: the same compiler and runtime, with layouts, shared memory, TMA copies,
-mbarriers, asynchronous wgmma and warp specialisation spelled out. Both kernels walk, for a tile of keys, the
-query tiles that see it, from the (base-2 logsumexp, delta) pairs of `flash_triton` (dQ pass or delta kernel),
+mbarriers, asynchronous wgmma and warp specialisation spelled out. The kernel walks, for a tile of keys, the query
+tiles that see it, from the (base-2 logsumexp, delta) pairs of the delta kernel (`backward._bwd_delta_kernel`),
 with what Triton 3.6 does not do for that loop:
 
 - K and V stay in registers as the wgmma A operands of S^T = K Q^T and dP^T = V dO^T;
@@ -11,10 +11,6 @@ with what Triton 3.6 does not do for that loop:
   mbarrier each (no per-thread address arithmetic);
 - the wgmmas are asynchronous and waited on where their results are needed: dP^T runs on the tensor cores while
   the exponentials of P^T are computed, and dV / dK of one step overlap the next step's first matmuls.
-
-`_dkdv_kernel` (one warpgroup per 64 keys) is the dK/dV pass of the two-pass backward. It computes the Triton
-kernel's dK, dV bit for bit in the same time, so `flash_triton` runs it only when asked
-(`flash_triton.GLUON_DKDV = True`).
 
 `_bwd_ws_kernel` is the whole backward but a small delta kernel: 5 tile matmuls per (key tile, query tile) pair
 instead of the two-pass scheme's 7, each step's dQ = dS K added into an fp32 buffer by one TMA bulk reduction
@@ -26,14 +22,20 @@ which computes dQ over all 128 keys in one wgmma and issues one reduction per st
 shape: with 64 keys per program (one warpgroup) the reductions alone filled L2 (87% of its
 throughput) and the kernel was 5% slower than the two-pass backward; 128 keys in one lockstep 8-warp program, 20%
 slower; two warpgroups each computing a dQ part over its own 64 keys, summed by the second, 7-10% faster; this
-one, 3-6% faster again (2.84 ms against cuDNN's 2.92 under the profiler). `flash_triton` uses it by default for
-long sequences.
+one, 3-6% faster again (2.84 ms against cuDNN's 2.92 under the profiler). The default backward policy uses it for
+long rows (`FlashConfig.hopper_ws`, `ws_min_rows`).
 
-Scope: compiled CUDA on sm_90, fp16 / bf16, head dim 64, 16-byte aligned Q / dO rows and an even N_q (each
-head's (lse2, delta) rows must start 16-byte aligned for the TMA); `flash_triton` sends everything else to its
-Triton kernels, which stay the portable version (and the ones the CPU interpreter tests).
+Scope (`ws_applies`): compiled CUDA on sm_90, fp16 / bf16, head dim 64, 16-byte aligned Q / dO rows and an even
+N_q (each head's (lse2, delta) rows must start 16-byte aligned for the TMA); everything else runs the Triton
+kernels, which stay the portable version (and the ones the CPU interpreter tests).
 """
 from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from core.kernels.flash_triton import common, launch
+from core.kernels.flash_triton.common import LOG2E, _cdiv
 
 try:
     from triton.experimental import gluon
@@ -58,10 +60,8 @@ except ImportError:  # a Triton without Gluon (or without its Hopper ops)
     HAVE_GLUON = False
 
 HEAD_DIMS = (64,)
-# 64 queries per step and 64 keys per warpgroup in both kernels
+# 64 queries per step and 64 keys per warpgroup
 BLOCK_M, BLOCK_N = 64, 64
-# dK/dV pass: one warpgroup per program, a 3-stage ring
-NUM_WARPS, STAGES = 4, 3
 # one-pass backward: two warpgroups (128 keys) per program; a 6-stage ring loaded 3 steps ahead, so the first
 # warpgroup (the lighter one: the second computes dQ) can run ahead of the second; both keep 256 registers (the ws
 # region's setmaxnreg)
@@ -153,7 +153,7 @@ if HAVE_GLUON:
     def _ranges(rng: gl.constexpr, lo, start_n, n_q, causal_off, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr):
         """Query tiles [lo, m_pad) of keys start_n ..., in three ranges: masked diagonal ones (rng 0), unmasked
-        (1), the ragged end (2) (the ranges of flash_triton._bwd_dkdv_tile: Gluon code cannot call Triton's)."""
+        (1), the ragged end (2) (the ranges of backward._bwd_dkdv_tile: Gluon code cannot call Triton's)."""
         m_full = (n_q // BLOCK_M) * BLOCK_M
         m_pad = gl.cdiv(n_q, BLOCK_M) * BLOCK_M
         if IS_CAUSAL:
@@ -200,82 +200,6 @@ if HAVE_GLUON:
         dp_t = warpgroup_mma_wait(1, deps=[dp_t])
         return (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype), dv
 
-    # ------------------------------------------------------------------ the dK/dV pass (two-pass backward)
-    @gluon.jit
-    def _steps(it, lo, start, end, n_steps, dk, dv, k_op, v_op, q_desc, do_desc, stats_desc, q_smem, do_smem,
-               stats_smem, ready, stats_row, offs_n, n_q, causal_off, qk_scale,
-               MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-               STAGES: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr):
-        """Query tiles start, start + BLOCK_M, ... < end; `it` counts steps from the first (`lo`) for the ring."""
-        offs_m0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
-        for start_m in range(start, end, BLOCK_M):
-            stage = it % STAGES
-            mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
-            q_tile = q_smem.index(stage)
-            ds_t, dv = _ds_t(k_op, v_op, q_tile, do_smem.index(stage), stats_smem.index(stage), dv, start_m + offs_m0,
-                             offs_n, n_q, causal_off, qk_scale, MASKED, IS_CAUSAL, mma_s, mma_d)
-            dk = warpgroup_mma(gl.convert_layout(ds_t, gl.DotOperandLayout(0, mma_d, 2)), q_tile, dk, is_async=True)
-            # prefetch step it + STAGES - 1 into the ring buffer of step it - 1, whose dV and dK are done (the
-            # copy's lowering synchronizes the warps before it is issued)
-            nxt = it + STAGES - 1
-            if nxt < n_steps:
-                _load_step(nxt, lo, nxt % STAGES, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready,
-                           stats_row, BLOCK_M, HEAD_DIM)
-            it += 1
-        return it, dk, dv
-
-    @gluon.jit
-    def _dkdv_kernel(Q, K, V, DO, DK, DV, STATS,  # DK, DV laid out like K, V; STATS (Z*H, N_q, 2) fp32
-                     stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
-                     stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
-                     n_heads, n_q, n_k, n_rows_all, causal_off, qk_scale, sm_scale,
-                     IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        pid_zh = gl.program_id(0)
-        start_n = gl.program_id(1) * BLOCK_N
-        off_z = (pid_zh // n_heads).to(gl.int64)
-        off_h = (pid_zh % n_heads).to(gl.int64)
-        dtype: gl.constexpr = Q.dtype.element_ty
-        gl.static_assert(gl.num_warps() == 4, "one warpgroup")
-        # S^T / dP^T tiles are (BLOCK_N, BLOCK_M); dK / dV (BLOCK_N, HEAD_DIM)
-        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_M, 16])
-        mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-        q_desc, do_desc, stats_desc = _head_descs(Q, DO, STATS, off_z, off_h, stride_qz, stride_qh, stride_qm,
-                                                  stride_doz, stride_doh, stride_dom, n_q, n_rows_all, HEAD_DIM,
-                                                  BLOCK_M)
-        stats_row = pid_zh * n_q
-        # K and V of this tile, once, into the registers of the A operand (converted before the ring buffers
-        # exist: the conversion's scratch shared memory is reused)
-        k, v = _load_kv(K, V, off_z, off_h, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh,
-                        stride_vn, n_k, HEAD_DIM, BLOCK_N, 4)
-        k_op = gl.convert_layout(k, gl.DotOperandLayout(0, mma_s, 2))
-        v_op = gl.convert_layout(v, gl.DotOperandLayout(0, mma_s, 2))
-
-        lo, n_steps = _query_steps(start_n, n_q, causal_off, IS_CAUSAL, BLOCK_M)
-        q_smem, do_smem, stats_smem, ready = _ring(STAGES, BLOCK_M, HEAD_DIM, dtype)
-        for i in gl.static_range(STAGES - 1):
-            if i < n_steps:
-                _load_step(i, lo, i, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready, stats_row,
-                           BLOCK_M, HEAD_DIM)
-
-        offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
-        dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=mma_d))
-        dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=mma_d))
-        # one ring of tiles across the three ranges: `it` numbers the steps from lo
-        it = 0
-        for rng in gl.static_range(3):
-            start, end = _ranges(rng, lo, start_n, n_q, causal_off, IS_CAUSAL, BLOCK_M, BLOCK_N)
-            it, dk, dv = _steps(it, lo, start, end, n_steps, dk, dv, k_op, v_op, q_desc, do_desc, stats_desc,
-                                q_smem, do_smem, stats_smem, ready, stats_row, offs_n, n_q, causal_off, qk_scale,
-                                rng != 1, IS_CAUSAL, BLOCK_M, HEAD_DIM, STAGES, mma_s, mma_d)
-        dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(i))
-        _store_dkdv(DK, DV, dk, dv, off_z, off_h, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh,
-                    stride_vn, n_k, sm_scale, HEAD_DIM, BLOCK_N, mma_d)
-
     # ------------------------------------------------------------------ the warp-specialised one-pass backward
     @gluon.jit
     def _ws_steps(ROLE: gl.constexpr, it, lo, start, end, n_steps, dk, dv, k_op, v_op, q_desc, do_desc,
@@ -283,7 +207,7 @@ if HAVE_GLUON:
                   ds_free, stats_row, offs_n, n_q, causal_off, qk_scale, MASKED: gl.constexpr,
                   IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   PREFETCH: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr):
-        """`_steps` for one of the two warpgroups. Both store their dS^T into the step's shared buffer (two, by
+        """The query-tile steps of one of the two warpgroups over [start, end). Both store their dS^T into the step's shared buffer (two, by
         step parity); ROLE 1 then computes the step's dQ = dS K over all 128 keys in one wgmma and reduces it into
         DQ_ACC, and ROLE 0 issues the TMA loads PREFETCH steps ahead."""
         offs_m0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
@@ -426,3 +350,34 @@ if HAVE_GLUON:
                              n_q, n_k, causal_off, qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
                              PREFETCH)),
         ], [4], [WS_REGS])
+
+
+# ---------------------------------------------------------------------- host side
+def _aligned(t: Tensor) -> bool:
+    try:
+        return t.data_ptr() % 16 == 0
+    except RuntimeError:  # a fake tensor (torch.compile tracing) has no storage: flash_bwd_impl checks again
+        return True
+
+
+def ws_applies(q: Tensor, do: Tensor, d: int) -> bool:
+    """Whether `_bwd_ws_kernel` can run this backward: compiled CUDA on sm_90 (wgmma is sm_90 only; Blackwell has
+    other tensor-core instructions), fp16 / bf16, d in HEAD_DIMS, and for the TMA 16-byte aligned bases and row
+    strides, and an even N_q (each head's (lse2, delta) rows start 16-byte aligned)."""
+    if common.INTERPRET or q.dtype == torch.float32 or q.device.type != "cuda" or d not in HEAD_DIMS:
+        return False
+    return HAVE_GLUON and launch._capability(q.device) == (9, 0) and q.shape[2] % 2 == 0 \
+        and _aligned(q) and _aligned(do) and all(s % 8 == 0 for s in q.stride()[:3] + do.stride()[:3])
+
+
+def launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_scale, is_causal) -> None:
+    """dK, dV, and the unscaled dQ = dS K added into the zeroed fp32 `dq_acc`, from the delta kernel's `stats`."""
+    launch._ensure_scratch_allocator()  # the kernel builds its TMA descriptors on the device
+    z = q.shape[0]
+    sq, sk, sv, sdo = q.stride(), k.stride(), v.stride(), do.stride()
+    strides = (sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2])
+    scalars = (h, n_q, n_k, z * h * n_q, causal_off, sm_scale * LOG2E, sm_scale)
+    # two warpgroups of 64 keys per program
+    _bwd_ws_kernel[(z * h, _cdiv(n_k, WS_KEYS))](
+        q, k, v, do, dk, dv, stats, dq_acc, *strides, *scalars, IS_CAUSAL=is_causal, HEAD_DIM=q.shape[3],
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=WS_STAGES, PREFETCH=WS_PREFETCH, WS_REGS=WS_REGS, num_warps=4)

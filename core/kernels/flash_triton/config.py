@@ -1,0 +1,160 @@
+"""`FlashConfig`: every choice flash_triton makes besides what the inputs fix (tiles, backward variant, split-KV).
+
+Built from `conf/attention_impl/flash_triton.yaml` (its `config:` block) and handed to the kernels through the
+attention plugin (`KernelAttention`): ``FlashAttentionTriton.apply(q, k, v, is_causal, config)``. No module-level
+switch or environment variable changes what the kernels compute or how fast: a benchmark variant is a config
+override (`FlashConfig.with_overrides("backward=fused,fwd=64x64x4x3")`).
+
+The defaults are the measured policy of docs/attention.md; `FlashConfig()` equals the yaml's block
+(tests/test_flash_attention.py checks it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from functools import lru_cache
+from typing import Any, Mapping
+
+from core.errors import ConfigError
+
+TILE_KERNELS = ("fwd", "dq", "dkdv", "fused")
+BACKWARDS = ("auto", "two_pass", "atomic_dq", "fused")
+SPLIT_MERGES = ("in_kernel", "separate")
+_KEY = "attention_impl.config"
+
+
+@dataclass(frozen=True)
+class FlashConfig:
+    """What flash_triton chooses, besides the inputs (see docs/attention.md, "Configuration").
+
+    tiles: per kernel (fwd, dq, dkdv, fused) a fixed (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]); kernels
+        not named are autotuned (the CPU interpreter always uses its own small tiles). `dkdv` pins the two-pass and
+        the atomic-dQ dK/dV kernel.
+    backward: "auto" (fused on small grids, the Hopper warp-specialised kernel for long rows, else two passes),
+        or one variant for every call: "two_pass", "atomic_dq", "fused".
+    fused_max_tiles / fused_max_tiles_wide: "auto" takes the fused backward up to this many batch x heads x 64-row
+        tiles, for head dims <= 64 / above 64.
+    hopper_ws: the warp-specialised Gluon backward on sm_90 (the atomic-dQ variant's kernel there, and "auto"'s
+        choice from `ws_min_rows` query rows on).
+    split_kv: the split-KV forward on grids that leave SMs idle; split_keys forces a split length in keys on every
+        call (tests); max_splits caps the splits per query tile.
+    split_merge: "in_kernel" (the split that arrives last merges: one launch) or "separate" (a merge kernel: two).
+    short_row_tiles: rows of fewer key tiles than this use the split forward's 32-row tiles and one loop per split.
+    poison_outputs: fill outputs with NaN before the kernels run, so an unwritten element shows (debugging, tests).
+    """
+
+    tiles: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    backward: str = "auto"
+    fused_max_tiles: int = 256
+    fused_max_tiles_wide: int = 128
+    hopper_ws: bool = True
+    ws_min_rows: int = 8192
+    split_kv: bool = True
+    split_keys: int | None = None
+    max_splits: int = 4
+    split_merge: str = "in_kernel"
+    short_row_tiles: int = 32
+    poison_outputs: bool = False
+
+    def __post_init__(self) -> None:
+        tiles = {}
+        for kind, cfg in dict(self.tiles or {}).items():
+            if kind not in TILE_KERNELS:
+                raise ConfigError(f"{_KEY}.tiles", f"unknown kernel {kind!r}", f"name one of {', '.join(TILE_KERNELS)}")
+            try:
+                cfg = tuple(int(x) for x in cfg)
+            except (TypeError, ValueError):
+                cfg = ()
+            if len(cfg) not in (4, 5) or min(cfg) < 1 or any(b < 16 or b & (b - 1) for b in cfg[:2]):
+                raise ConfigError(f"{_KEY}.tiles.{kind}", f"bad tile config {self.tiles[kind]!r}",
+                                  "give [BLOCK_M, BLOCK_N, num_warps, num_stages] (optionally maxnreg), "
+                                  "block sizes powers of two from 16")
+            tiles[kind] = cfg
+        # a sorted tuple of pairs: the config stays hashable (and equal whatever order the yaml lists kernels in)
+        object.__setattr__(self, "tiles", tuple(sorted(tiles.items())))
+        for name, allowed in (("backward", BACKWARDS), ("split_merge", SPLIT_MERGES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{_KEY}.{name}", f"unknown value {getattr(self, name)!r}",
+                                  f"use one of {', '.join(allowed)}")
+        for name in ("fused_max_tiles", "fused_max_tiles_wide", "ws_min_rows", "max_splits", "short_row_tiles"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ConfigError(f"{_KEY}.{name}", f"{getattr(self, name)!r} is not a non-negative integer",
+                                  "give a whole number >= 0")
+        if self.max_splits < 2:
+            raise ConfigError(f"{_KEY}.max_splits", f"{self.max_splits} splits cannot split",
+                              "use 2 or more (split_kv: false turns splitting off)")
+        if self.split_keys is not None and (not isinstance(self.split_keys, int) or self.split_keys < 1):
+            raise ConfigError(f"{_KEY}.split_keys", f"{self.split_keys!r} is not a positive key count",
+                              "give null (the policy decides) or a number of keys >= 1")
+        # the config as a string: what the custom ops take (they accept no Python objects); read, not computed,
+        # while torch.compile traces
+        object.__setattr__(self, "key", _to_key(self))
+
+    def tile(self, kind: str) -> tuple[int, ...] | None:
+        """The pinned (BLOCK_M, BLOCK_N, warps, stages[, maxnreg]) of a kernel, or None (autotuned)."""
+        for name, cfg in self.tiles:
+            if name == kind:
+                return cfg
+        return None
+
+    def replace(self, **changes: Any) -> "FlashConfig":
+        return dataclasses.replace(self, **changes)
+
+    def with_overrides(self, spec: str) -> "FlashConfig":
+        """This config with `key=value` pairs applied, comma-separated: field names (`backward=fused`,
+        `hopper_ws=0`, `split_merge=separate`) or a kernel's tiles (`fwd=128x64x8x3`, `dkdv=64x64x4x3x168`)."""
+        changes: dict[str, Any] = {}
+        tiles = dict(self.tiles)
+        names = {f.name: f for f in fields(self)}
+        for part in filter(None, spec.split(",")):
+            name, _, value = part.partition("=")
+            if name in TILE_KERNELS:
+                tiles[name] = tuple(int(x) for x in value.split("x"))
+            elif name in names and name != "tiles":
+                changes[name] = _parse(value, getattr(self, name), name)
+            else:
+                raise ConfigError(f"{_KEY}.{name}", f"unknown override {part!r}",
+                                  f"use a field ({', '.join(n for n in names if n != 'tiles')}) or a kernel's tiles "
+                                  f"({'/'.join(TILE_KERNELS)}=BMxBNxWARPSxSTAGES)")
+        return self.replace(tiles=tiles, **changes)
+
+    @staticmethod
+    def from_key(key: str) -> "FlashConfig":
+        """The config whose `key` this is ("" is the default config)."""
+        return _from_key(key)
+
+
+def _to_key(cfg: FlashConfig) -> str:
+    """The fields that differ from their defaults, as compact JSON ("" for the default config)."""
+    changed = {}
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name == "tiles":
+            if value:
+                changed["tiles"] = {k: list(v) for k, v in value}
+        elif value != f.default:
+            changed[f.name] = value
+    return json.dumps(changed, sort_keys=True, separators=(",", ":")) if changed else ""
+
+
+def _parse(value: str, current: Any, name: str) -> Any:
+    if isinstance(current, bool):
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{_KEY}.{name}", f"{value!r} is not a boolean", "use 0/1 or true/false")
+    if isinstance(current, int) or name == "split_keys":
+        if value.lower() in ("none", "null", ""):
+            return None
+        return int(value)
+    return value
+
+
+@lru_cache(maxsize=64)
+def _from_key(key: str) -> FlashConfig:
+    return FlashConfig(**json.loads(key)) if key else DEFAULT_CONFIG
+
+
+DEFAULT_CONFIG = FlashConfig()

@@ -1,0 +1,311 @@
+"""Host side of flash_triton: which kernels run for a call (from its shapes, the GPU and the `FlashConfig`), the
+output allocations, and the custom ops `scalelab::flash_attn_fwd` / `scalelab::flash_attn_bwd` that
+`torch.compile` sees (one opaque node per direction, no graph break; they take the config as its `key` string).
+
+Both entry points take 4-D (Z, H, N, d) inputs with unit last stride: `flash_fwd_impl` -> (out like q, lse
+(Z, H, N_q) fp32); `flash_bwd_impl` -> (dq, dk, dv) shaped and strided like q, k, v.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from core.errors import ConfigError
+from core.kernels.flash_triton import common, launch
+from core.kernels.flash_triton.backward import (_bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel,
+                                                _bwd_fused_kernel)
+from core.kernels.flash_triton.common import HAVE_TRITON, LOG2E, _BLOCK_D, _cdiv
+from core.kernels.flash_triton.config import DEFAULT_CONFIG, FlashConfig
+from core.kernels.flash_triton.forward import _fwd_kernel, _fwd_merge_kernel, _fwd_split_kernel, _fwd_split_merge_kernel
+from core.kernels.flash_triton.launch import _ARRIVALS, _launch, _run
+from core.kernels.flash_triton.tuning import _seq_class
+
+if HAVE_TRITON:
+    from core.kernels.flash_triton.tuning import _dkdv_atomic_tuned, _dkdv_tuned, _dq_tuned, _fused_tuned, _fwd_tuned
+
+
+def _check_runtime(q: Tensor) -> None:
+    if not HAVE_TRITON:
+        raise ConfigError("attention_impl.kernel", "Triton is not installed",
+                          "pip install triton, or use attention_impl=flash_torch")
+    if not common.INTERPRET and not q.is_cuda:
+        raise ConfigError("attention_impl.kernel", f"flash_triton got {q.device.type} tensors and Triton "
+                          "runs on CUDA only", "move the model to a GPU, set TRITON_INTERPRET=1 before "
+                          "importing triton (slow), or use attention_impl=flash_torch")
+
+
+def _alloc_like(x: Tensor, cfg: FlashConfig, dtype=None) -> Tensor:
+    if cfg.poison_outputs:
+        return torch.full_like(x, float("nan"), dtype=dtype)
+    return torch.empty_like(x, dtype=dtype)
+
+
+def _operand_and_output(x: Tensor, cfg: FlashConfig) -> tuple[Tensor, Tensor]:
+    """(operand, output) that share one layout: the kernels address an output (O, dQ, dK, dV) with its operand's
+    strides. `empty_like` keeps the strides of a dense operand only; a view with gaps (q, k, v sliced from a fused
+    qkv projection) or one that overlaps itself (an expanded GQA key) gets dense strides of its own, so such an
+    operand is copied to those same strides first (not to `.contiguous()`, whose layout can differ again)."""
+    out = _alloc_like(x, cfg)
+    if out.stride() != x.stride():
+        x = torch.empty_like(out).copy_(x)
+    return x, out
+
+
+# ------------------------------------------------------------------------------------------------ forward
+# the autotuner's pick for the one-kernel forward at S <= 4096, B = H = 1 on an H100: the split forward's tiles
+_SPLIT_TILES = (64, 64, 4, 3)
+# rows of fewer than `short_row_tiles` key tiles (S = 1024): 32-row query tiles, twice the programs, and each
+# split's keys in one masked loop rather than an unmasked and a masked one (one pipeline start-up, not two); the
+# 64-row tiles spill registers at d = 128
+_SHORT_SPLIT_TILES = (32, 64, 4, 3)
+
+
+def _fwd_split_len(device: torch.device, zh: int, n_q: int, n_k: int, bm: int, bn: int,
+                   cfg: FlashConfig = DEFAULT_CONFIG) -> int:
+    """Keys per split for the split-KV forward (a multiple of bn), or 0 for the one-kernel forward.
+
+    Splits only when the one-kernel grid (batch x heads x query tiles) has fewer programs than the GPU has
+    SMs and rows span at least 32 key tiles; then about two programs per SM, each with 4 key tiles or more,
+    in at most `cfg.max_splits` splits. Why: on a grid that leaves SMs idle a query tile's whole row is the
+    critical path, and splitting it costs one merge of fp32 partial rows. Measured on an H100 at B = H = 1, the
+    split pays from S = 2048 on every head dim, and at S = 1024 (16-31 key tiles) only on the tiniest grids
+    (at most a quarter as many programs as SMs, B x H <= 2); more than 4 splits lost to the merge's extra traffic
+    (docs/attention.md). `cfg.split_keys` forces a length (tests: the interpreter never splits on its own)."""
+    if cfg.split_keys is not None:
+        return _cdiv(cfg.split_keys, bn) * bn
+    if not cfg.split_kv or common.INTERPRET:
+        return 0
+    programs, k_tiles = zh * _cdiv(n_q, bm), _cdiv(n_k, bn)
+    sms = launch._sm_count(device)
+    # rows of 16-31 key tiles split only on the tiniest grids, where it was measured (B = H = 1, S = 1024)
+    if programs >= sms or k_tiles < (16 if 4 * programs <= sms else 32):
+        return 0
+    splits = min(k_tiles // 4, _cdiv(2 * sms, programs), cfg.max_splits)
+    return _cdiv(k_tiles, splits) * bn if splits >= 2 else 0
+
+
+def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
+                   cfg: FlashConfig = DEFAULT_CONFIG) -> tuple[Tensor, Tensor]:
+    """Forward on 4-D (Z, H, N, d) inputs with unit last stride: (out like q, lse (Z, H, N_q) fp32)."""
+    _check_runtime(q)
+    z, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    q, o = _operand_and_output(q, cfg)
+    sq, sk, sv = q.stride(), k.stride(), v.stride()
+    lse = torch.full((z, h, n_q), float("nan"), device=q.device, dtype=torch.float32) if cfg.poison_outputs \
+        else torch.empty((z, h, n_q), device=q.device, dtype=torch.float32)
+    causal_off = n_k - n_q if is_causal else 0
+    seq_class = _seq_class(max(n_q, n_k), z * h)
+    pinned = cfg.tile("fwd")
+    bm, bn, warps, stages = (pinned or ((32, 16, 4, 1) if common.INTERPRET else _SPLIT_TILES))[:4]
+    # the split forward's fixed tiles are sized for head dims up to 128
+    split_len = _fwd_split_len(q.device, z * h, n_q, n_k, bm, bn, cfg) if _BLOCK_D[d] <= 128 else 0
+    if split_len:  # small grid: split-KV
+        short = _cdiv(n_k, bn) < cfg.short_row_tiles
+        if short and pinned is None and not common.INTERPRET:
+            bm, bn, warps, stages = _SHORT_SPLIT_TILES
+        splits = _cdiv(n_k, split_len)
+        block_d = _BLOCK_D[d]
+        o_part = torch.empty((z * h, splits, n_q, block_d), device=q.device, dtype=torch.float32)
+        lse_part = torch.empty((z * h, splits, n_q), device=q.device, dtype=torch.float32)
+        if cfg.split_merge == "in_kernel":
+            n_counts = z * h * _cdiv(n_q, bm)  # one per query tile
+            arrivals = _ARRIVALS.get(q.device, n_counts)
+            _run(_fwd_split_merge_kernel, (z * h, _cdiv(n_q, bm), splits),
+                 (q, k, v, o, lse, o_part, lse_part, arrivals, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
+                  sv[0], sv[1], sv[2], h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), split_len, seq_class), 8,
+                 IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, SPLITS=splits,
+                 ONE_LOOP=short, num_warps=warps, num_stages=stages)
+            return o, lse
+        _run(_fwd_split_kernel, (z * h, _cdiv(n_q, bm), splits),
+             (q, k, v, o_part, lse_part, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+              h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), split_len, seq_class), 5,
+             IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn,
+             num_warps=warps, num_stages=stages)
+        # 32-row merge tiles: 96 registers at d = 128 (64 rows: 230), and twice the programs on a small grid
+        _run(_fwd_merge_kernel, (z * h, _cdiv(n_q, 32)),
+             (o_part, lse_part, o, lse, sq[0], sq[1], sq[2], h, n_q, splits), 4,
+             HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=32)
+        return o, lse
+    args = (q, k, v, o, lse, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+            h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), seq_class)
+    _launch("fwd", _fwd_tuned if not common.INTERPRET else None, _fwd_kernel, z * h, n_q, args,
+            is_causal, d, _BLOCK_D[d], seq_class, q.dtype, tiles=pinned)
+    return o, lse
+
+
+# ----------------------------------------------------------------------------------------------- backward
+# Backward variants (the int `bwd_variant` of flash_bwd_impl and of the op `scalelab::flash_attn_bwd`;
+# 0 and 1 are what the op's former `bool atomic_dq` passed, so old callers keep their meaning).
+BWD_TWO_PASS, BWD_ATOMIC_DQ, BWD_FUSED = 0, 1, 2
+_BWD_NAMES = {"two_pass": BWD_TWO_PASS, "atomic_dq": BWD_ATOMIC_DQ, "fused": BWD_FUSED}
+
+
+def _bwd_code(variant) -> int:
+    """0/1/2, a name from _BWD_NAMES, or a bool (the old atomic_dq flag: True = atomic dQ)."""
+    code = _BWD_NAMES.get(variant, -1) if isinstance(variant, str) else int(variant)
+    if code not in (BWD_TWO_PASS, BWD_ATOMIC_DQ, BWD_FUSED):
+        raise ConfigError("flash_triton bwd_variant", f"unknown backward variant {variant!r}",
+                          "use 0 / 'two_pass', 1 / 'atomic_dq' or 2 / 'fused'")
+    return code
+
+
+def _use_fused(zh: int, n_q: int, n_k: int, d: int, cfg: FlashConfig = DEFAULT_CONFIG) -> bool:
+    """Policy for the "auto" backward: True sends it to the fused one-launch kernel.
+
+    Measured on the H100 (B = H = 1, bf16, causal): the fused backward beat the
+    two-pass one wherever the grid was small, d = 64 up to 256 64-row tiles (S = 16384: 0.340 vs 0.404 ms)
+    and d = 128 up to 128 tiles (S = 8192: 0.293 vs 0.406 ms), and lost where it was large: d = 128 at 256
+    tiles (0.774 vs 0.500 ms; its 64x64 tiles spill registers at d = 128) and the leaderboard shape, 4096
+    tiles (4.50 vs 3.80 ms), where the two-pass grid already fills the GPU. So: fused only up to the
+    measured tile counts (`cfg.fused_max_tiles`, `cfg.fused_max_tiles_wide`)."""
+    tiles = zh * _cdiv(max(n_q, n_k), 64)
+    return tiles <= (cfg.fused_max_tiles if d <= 64 else cfg.fused_max_tiles_wide)
+
+
+def _ws_ok(q: Tensor, do: Tensor, d: int, cfg: FlashConfig = DEFAULT_CONFIG) -> bool:
+    """Whether the atomic-dQ backward runs the Hopper warp-specialised Gluon kernel (`hopper.ws_applies`)."""
+    if not cfg.hopper_ws or common.INTERPRET:
+        return False
+    from core.kernels.flash_triton import hopper  # Gluon, imported where it may run
+    return hopper.ws_applies(q, do, d)
+
+
+def _default_bwd(q4: Tensor, k4: Tensor, do4: Tensor, cfg: FlashConfig = DEFAULT_CONFIG) -> int:
+    """The backward variant for these 4-D operands: `cfg.backward` unless "auto". "auto": the fused kernel on
+    small grids (`_use_fused`), the warp-specialised Gluon kernel on Hopper from `cfg.ws_min_rows` query rows
+    (measured on the H100, d = 64 causal, time against the two-pass backward: 0.85x at 32768-65536 rows with
+    B = H = 1, 0.92-1.01x at 8192 rows (batch x heads 4-16), 1.08x at (16, 4096) and 1.6-2.1x at 1024-2048 rows,
+    where the per-program set-up, the delta kernel and the dQ cast weigh more), else two passes. The Gluon kernel's
+    fp32 reductions add in any order: not under torch.use_deterministic_algorithms."""
+    if cfg.backward != "auto":
+        return _BWD_NAMES[cfg.backward]
+    z, h, n_q, d = q4.shape
+    if _use_fused(z * h, n_q, k4.shape[2], d, cfg):
+        return BWD_FUSED
+    if n_q >= cfg.ws_min_rows and not torch.are_deterministic_algorithms_enabled() and _ws_ok(q4, do4, d, cfg):
+        return BWD_ATOMIC_DQ
+    return BWD_TWO_PASS
+
+
+def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                   is_causal: bool, bwd_variant: int | str = BWD_TWO_PASS,
+                   cfg: FlashConfig = DEFAULT_CONFIG) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward on 4-D inputs: dq, dk, dv shaped and strided like q, k, v.
+
+    bwd_variant 0 / "two_pass": two passes (dQ kernel, then dK/dV kernel), 7 tile matmuls, no atomics.
+    1 / "atomic_dq" (or True, the old atomic_dq flag): one dK/dV pass that also adds each key tile's
+    dS K into an fp32 dQ buffer (5 matmuls; a small kernel computes rowsum(dO * O) first): on Hopper the
+    warp-specialised Gluon kernel where it applies (`cfg.hopper_ws`), else one TMA bulk reduction per tile on
+    sm_90+, per-element atomics elsewhere; dQ is cast from the buffer.
+    2 / "fused": one kernel, program i doing dK/dV of key tile i and dQ of query tile i (7 matmuls,
+    delta recomputed from O in place, no atomics, one launch, critical path ~n tile steps, not ~2n)."""
+    _check_runtime(q)
+    variant = _bwd_code(bwd_variant)
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    z, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    if variant == BWD_FUSED and z * h > launch._MAX_GRID_Y:  # the fused grid's dim 1 is batch x heads
+        variant = BWD_TWO_PASS
+    # the kernels address O and dQ with Q's strides, dK with K's and dV with V's (fewer launch arguments)
+    q, dq = _operand_and_output(q, cfg)
+    k, dk = _operand_and_output(k, cfg)
+    v, dv = _operand_and_output(v, cfg)
+    if o.stride() != q.stride():  # O saved by a forward on another layout of q
+        o = torch.empty_like(q).copy_(o)
+    sq, sk, sv, sdo = q.stride(), k.stride(), v.stride(), do.stride()
+    block_d = _BLOCK_D[d]
+    causal_off = n_k - n_q if is_causal else 0
+    sm_scale = 1.0 / math.sqrt(d)
+    seq_class = _seq_class(max(n_q, n_k), z * h)
+    interpret = common.INTERPRET
+    if variant == BWD_FUSED:  # one launch, no delta buffer
+        args = (q, k, v, o, do, dq, dk, dv, lse,
+                sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
+                h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
+        _launch("fused", _fused_tuned if not interpret else None, _bwd_fused_kernel, z * h, n_q, args,
+                is_causal, d, block_d, seq_class, q.dtype, n_k=n_k, tiles=cfg.tile("fused"))
+        return dq, dk, dv
+    atomic_dq = variant == BWD_ATOMIC_DQ
+    dq_tma = atomic_dq and launch._has_tma(q.device) and d % 4 == 0  # TMA: 16-byte rows of the fp32 dQ buffer
+    if dq_tma:
+        launch._ensure_scratch_allocator()
+    # per row, (base-2 logsumexp, delta = rowsum(dO * O)), written by the first launch for the dK/dV pass
+    stats = torch.empty((z, h, n_q, 2), device=q.device, dtype=torch.float32)
+    if atomic_dq:  # the row stats first; the dK/dV pass then adds dS K into an fp32 buffer
+        dq_acc = torch.empty((z, h, n_q, d), device=q.device, dtype=torch.float32)  # zeroed by the delta kernel
+        _run(_bwd_delta_kernel, (z * h, _cdiv(n_q, 64)),
+             (o, do, lse, stats, dq_acc, sq[0], sq[1], sq[2], sdo[0], sdo[1], sdo[2], h, n_q), 5,
+             HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=64)
+    else:  # the dQ pass (it also computes and stores the row stats)
+        dq_args = (q, k, v, o, do, dq, lse, stats,
+                   sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
+                   h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
+        _launch("dq", _dq_tuned if not interpret else None, _bwd_dq_kernel, z * h, n_q, dq_args,
+                is_causal, d, block_d, seq_class, q.dtype, tiles=cfg.tile("dq"))
+        dq_acc = stats  # DQ_ACC is not touched without atomics
+    if atomic_dq and _ws_ok(q, do, d, cfg):
+        from core.kernels.flash_triton import hopper
+        # the warp-specialised Gluon kernel adds unscaled dS K tiles
+        hopper.launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_scale, is_causal)
+        torch.mul(dq_acc, sm_scale, out=dq)
+        return dq, dk, dv
+    dkdv_args = (q, k, v, do, dk, dv, stats, dq_acc,
+                 sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
+                 h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
+    name, tuned = ("dkdv_atomic", _dkdv_atomic_tuned if not interpret else None) if atomic_dq \
+        else ("dkdv", _dkdv_tuned if not interpret else None)
+    _launch(name, tuned, _bwd_dkdv_kernel, z * h, n_k, dkdv_args,
+            is_causal, d, block_d, seq_class, q.dtype, tiles=cfg.tile("dkdv"), ATOMIC_DQ=atomic_dq, DQ_TMA=dq_tma)
+    if atomic_dq:
+        dq.copy_(dq_acc)
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------- torch.library registration
+# `config` is `FlashConfig.key` ("" for the defaults): custom ops take strings, not Python objects
+@torch.library.custom_op("scalelab::flash_attn_fwd", mutates_args=())
+def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, config: str = "") -> tuple[Tensor, Tensor]:
+    """FlashAttention forward as one opaque op: (out, logsumexp) for 4-D (Z, H, N, d) inputs."""
+    return flash_fwd_impl(q, k, v, is_causal, FlashConfig.from_key(config))
+
+
+@flash_attn_fwd.register_fake
+def _(q, k, v, is_causal, config=""):
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+# bwd_variant: 0 two-pass, 1 atomic dQ, 2 fused (a bool, as the former `atomic_dq` argument, still binds:
+# False -> 0, True -> 1)
+@torch.library.custom_op("scalelab::flash_attn_bwd", mutates_args=())
+def flash_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                   is_causal: bool, bwd_variant: int = 0, config: str = "") -> tuple[Tensor, Tensor, Tensor]:
+    """FlashAttention backward as one opaque op: (dq, dk, dv)."""
+    return flash_bwd_impl(do, q, k, v, o, lse, is_causal, bwd_variant, FlashConfig.from_key(config))
+
+
+@flash_attn_bwd.register_fake
+def _(do, q, k, v, o, lse, is_causal, bwd_variant=0, config=""):
+    _bwd_code(bwd_variant)  # an unknown variant fails while tracing too
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _op_setup_context(ctx, inputs, output):
+    q, k, v, is_causal, config = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.is_causal = is_causal
+    ctx.config = config
+
+
+def _op_backward(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    cfg = FlashConfig.from_key(ctx.config)
+    dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, ctx.is_causal, _default_bwd(q, k, do, cfg), ctx.config)
+    return dq, dk, dv, None, None
+
+
+flash_attn_fwd.register_autograd(_op_backward, setup_context=_op_setup_context)

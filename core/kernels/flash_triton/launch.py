@@ -1,0 +1,201 @@
+"""Launching the Triton kernels: tiles (pinned, the interpreter's, or the autotuner's), grids, and direct launches
+through the compiled kernel's own launcher; device lookups kept off the per-call path; the split-KV forward's
+arrival counts.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
+
+from core.kernels.flash_triton import common, tuning
+from core.kernels.flash_triton.common import _cdiv, triton
+
+_MAX_GRID_Y = 65535  # CUDA's limit on grid dims 1 and 2
+
+
+def _grid(kind: str, zh: int, n_rows: int, n_k: int, bm: int, bn: int) -> tuple[int, int]:
+    """fwd / dq: (batch x heads, query tiles); dkdv: (batch x heads, key tiles); fused: (tiles, batch x heads)
+    with tiles = max(query tiles, key tiles), so that both phases cover their tiles (grid dim 1 caps
+    batch x heads at _MAX_GRID_Y there: flash_bwd_impl runs the two-pass backward beyond it)."""
+    if kind == "fused":
+        return (max(_cdiv(n_rows, bm), _cdiv(n_k, bn)), zh)
+    return (zh, _cdiv(n_rows, bn if kind == "dkdv" else bm))
+
+
+def _launch(name: str, tuned, raw, zh: int, n_rows: int, args: tuple,
+            is_causal: bool, d: int, block_d: int, seq_class: int, dtype, n_k: int = 0,
+            tiles: tuple[int, ...] | None = None, **constexprs) -> None:
+    """Launch with pinned tiles (`FlashConfig.tiles`), the interpreter's tiles, or the autotuner's choice for this
+    key.
+
+    After the first call for a key the raw kernel is launched with the chosen config: that skips
+    the autotuner's per-call bookkeeping, which matters at short sequences (launch-bound).
+    n_rows: query rows (fwd, dq, fused) or keys (dkdv); n_k: keys, read by the fused grid only.
+    """
+    kind = "dkdv" if name.startswith("dkdv") else name
+    if tiles is not None:
+        cfg = tiles
+    elif common.INTERPRET:
+        cfg = (*tuning._INTERPRET_TILES[kind], 4, 1)
+    else:
+        key = (name, seq_class, is_causal, d, dtype)
+        cfg = tuning._CHOSEN.get(key)
+        if cfg is None:
+            def grid(meta):
+                return _grid(kind, zh, n_rows, n_k, meta["BLOCK_M"], meta["BLOCK_N"])
+            tuned[grid](*args, IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d, **constexprs)
+            best = tuned.best_config
+            tuning._CHOSEN[key] = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
+            return
+    bm, bn, warps, stages, *maxnreg = cfg  # a pinned 5th number caps registers per thread (ptxas maxnreg)
+    if maxnreg:
+        constexprs["maxnreg"] = maxnreg[0]
+    grid = _grid(kind, zh, n_rows, n_k, bm, bn)
+    _run(raw, grid, args, _N_TENSOR_ARGS[kind], IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d,
+         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **constexprs)
+
+
+# Direct launches. `JITFunction.run` binds and specializes every argument, builds a cache key and looks the
+# compiled kernel up on every call: 27 us of host time per launch on the H100 VM's CPU, against 8.5 us for the
+# compiled kernel's own launcher, and a forward+backward makes 2-4 launches. `_run`
+# keeps the compiled kernel per launch signature and calls its launcher directly. Triton specializes a kernel
+# on its constexprs and options, on the value class of each integer (1, multiple of 16, int32 or int64) and
+# on each pointer's dtype and 16-byte alignment; the key holds the integers' values themselves and each
+# pointer's dtype and alignment, so a hit launches the kernel JITFunction.run would have picked.
+# A Triton whose launcher takes other arguments makes the first direct launch fail: from then on this process
+# launches through JITFunction.run (`_direct_ok`, a capability found at run time, not a setting).
+_direct_ok = True
+_LAUNCHERS: dict[tuple, tuple] = {}
+_N_TENSOR_ARGS = {"fwd": 5, "dq": 8, "dkdv": 8, "fused": 9}  # leading pointer arguments of each kernel
+_MAX_LAUNCHERS = 1024  # distinct shapes / layouts kept; the cache restarts beyond that
+
+
+_current_device = torch.cuda.current_device
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):  # what Triton itself calls: no Stream object built
+    _current_stream = torch._C._cuda_getCurrentRawStream
+else:
+    def _current_stream(device: int) -> int:
+        return torch.cuda.current_stream(device).cuda_stream
+
+
+def _run(raw, grid: tuple, args: tuple, n_tensors: int, **meta) -> None:
+    """`raw[grid](*args, **meta)`; the first n_tensors arguments are tensors, the rest Python scalars."""
+    global _direct_ok
+    if not _direct_ok or common.INTERPRET:
+        raw.run(*args, grid=grid, warmup=False, **meta)
+        return
+    # every pointer's dtype and alignment (the split-KV merge takes fp32 partials and writes O in the inputs'
+    # dtype: one dtype per launch would confuse its fp32 and bf16 variants)
+    pointers = tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in args[:n_tensors]])
+    device = _current_device()  # where JITFunction.run launches too
+    key = (raw, device, pointers, args[n_tensors:], *meta.values())
+    hit = _LAUNCHERS.get(key)
+    if hit is None:
+        kernel = raw.run(*args, grid=grid, warmup=False, **meta)  # compiles, or finds the compiled kernel
+        if len(_LAUNCHERS) >= _MAX_LAUNCHERS:
+            _LAUNCHERS.clear()
+        # the launcher takes every kernel parameter, constexprs included (after the runtime ones here)
+        constexprs = tuple(meta[name] for name in raw.arg_names[len(args):])
+        _LAUNCHERS[key] = (kernel, constexprs)
+        return
+    kernel, constexprs = hit
+    full = args + constexprs
+    stream = _current_stream(device)
+    try:
+        enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
+        kernel.run(grid[0], grid[1], grid[2] if len(grid) > 2 else 1, stream, kernel.function,
+                   kernel.packed_metadata, kernel.launch_metadata(grid, stream, *full), enter, leave, *full)
+    except (TypeError, AttributeError):  # another Triton's launcher or knobs: back to JITFunction.run for good
+        _direct_ok = False
+        raw.run(*args, grid=grid, warmup=False, **meta)
+
+
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA device's compute capability, looked up once per device (it sits on the launch path)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _CAPABILITY.get(index)
+    if cap is None:
+        cap = _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return cap
+
+
+def _has_tma(device: torch.device) -> bool:
+    """Whether the atomic-dQ backward reduces dQ tiles with Hopper's bulk tensor reductions (sm_90+, compiled;
+    the CPU interpreter has no descriptor reductions and keeps per-element atomics)."""
+    if common.INTERPRET or device.type != "cuda":
+        return False
+    return _capability(device) >= (9, 0)
+
+
+def _torch_scratch(size: int, alignment: int, stream) -> Tensor:
+    """Global scratch for kernels that build tensor descriptors on the device (128 B per program),
+    from PyTorch's caching allocator (blocks are 512-byte aligned, more than TMA's 128)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_scratch_allocator() -> None:
+    """Give Triton an allocator for device-side descriptors unless the caller set one. Triton keeps it in a
+    ContextVar, i.e. per thread: autograd's backward runs on its own thread, so this is checked per launch."""
+    try:
+        from triton.runtime import _allocation
+        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):  # another Triton layout: set ours
+        pass
+    triton.set_allocator(_torch_scratch)
+
+
+class _ArrivalCounts:
+    """Zeroed int32 arrival counts for `_fwd_split_merge_kernel`, which puts every count it used back to 0.
+
+    Launches on one stream run one after another, so each (device, stream) keeps one buffer: no memset per
+    call. A CUDA graph must not share counts with anything that may run beside its replays (another graph, the
+    stream it was captured on), so a capture takes a buffer of its own from a reserve zeroed outside any
+    capture, or, once the reserve is spent, zeroes one inside the graph (a memset node in every replay)."""
+
+    SIZE = 1024     # counts per buffer; split grids have fewer query tiles than the GPU has SMs
+    RESERVE = 32    # spare buffers per device for captures
+
+    def __init__(self) -> None:
+        self._by_stream: dict[tuple[int, int], Tensor] = {}
+        self._reserve: dict[int, list[Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, device: torch.device, n: int) -> Tensor:
+        """A buffer of at least n zeroed counts for a launch on `device`'s current stream."""
+        cuda = device.type == "cuda"  # else the interpreter: one buffer, programs run one after another
+        index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else -1
+        # outside any TorchDispatchMode active around the call (a memory counter, say): the buffers outlive it
+        with _disable_current_modes(), self._lock:
+            if cuda and torch.cuda.is_current_stream_capturing():
+                spare = self._reserve.get(index)
+                if spare and n <= self.SIZE:
+                    return spare.pop()
+                return torch.zeros(n, device=device, dtype=torch.int32)
+            key = (index, _current_stream(index) if cuda else 0)
+            counts = self._by_stream.get(key)
+            if counts is None or counts.numel() < n:  # zeroed in this stream's order, before the launch
+                counts = self._by_stream[key] = torch.zeros(max(n, self.SIZE), device=device, dtype=torch.int32)
+            if cuda and len(self._reserve.get(index, ())) < self.RESERVE // 2:
+                block = torch.zeros((self.RESERVE, self.SIZE), device=device, dtype=torch.int32)
+                torch.cuda.current_stream(index).synchronize()  # zero before any graph replays a capture of it
+                self._reserve[index] = list(block.unbind(0)) + self._reserve.get(index, [])
+            return counts
+
+
+_ARRIVALS = _ArrivalCounts()
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SM_COUNT.get(index)
+    if n is None:
+        n = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
