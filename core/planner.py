@@ -430,6 +430,7 @@ class Job:
     checkpointed_blocks: int
     compiled: bool
     tensor_parallel: Any = None  # core.distributed.tensor_parallel.TensorParallel: how mesh.tp splits the model
+    context_parallel: Any = None  # core.distributed.context_parallel.ContextParallel under mesh.cp > 1
     pipeline: Any = None       # core.distributed.pipeline.PipelineParallel under mesh.pp > 1 (micro_batch, grad_accum:
                                # its micro-batches' rows and count)
 
@@ -440,6 +441,11 @@ class Job:
 
         pp = self.mesh.pp
         return self.model if pp == 1 else dataclasses.replace(self.model, n_layers=self.model.n_layers // pp)
+
+    @property
+    def local_seq(self) -> int:
+        """Tokens of each sequence one rank holds (seq_len / cp under context parallelism)."""
+        return self.seq_len // self.mesh.cp
 
     @property
     def sequence_parallel(self) -> bool:
@@ -484,13 +490,16 @@ def read_job(cfg: DictConfig) -> Job:
         require(micro % accum == 0, "pipeline.microbatches", f"{accum} micro-batches do not split {micro} sequences",
                 f"choose pipeline.microbatches dividing {micro}")
         micro //= accum
-    return Job(model=m, mesh=mesh, strategy=_strategy(cfg),
-               layout=model_layout(m, mesh.pp if pipeline else 1).split_over_tp(mesh.tp), global_batch=gbs,
-               micro_batch=micro, seq_len=seq, grad_accum=accum, precision=prec,
-               compute_dtype=prec if prec in ("bf16", "fp16") else ("tf32" if tf32 else "fp32"),
-               checkpointed_blocks=checkpointed_count(m.n_layers, every),
-               compiled=bool(OmegaConf.select(cfg, "compile", default=False)), tensor_parallel=tensor_parallel,
-               pipeline=pipeline)
+    job = Job(model=m, mesh=mesh, strategy=_strategy(cfg),
+              layout=model_layout(m, mesh.pp if pipeline else 1).split_over_tp(mesh.tp), global_batch=gbs,
+              micro_batch=micro, seq_len=seq, grad_accum=accum, precision=prec,
+              compute_dtype=prec if prec in ("bf16", "fp16") else ("tf32" if tf32 else "fp32"),
+              checkpointed_blocks=checkpointed_count(m.n_layers, every),
+              compiled=bool(OmegaConf.select(cfg, "compile", default=False)), tensor_parallel=tensor_parallel,
+              pipeline=pipeline)
+    if mesh.cp > 1 and "context_parallel" in cfg:
+        job.context_parallel = instantiate(cfg.context_parallel)
+    return job
 
 
 def _per_rank(n: int, ways: int) -> int:
@@ -507,7 +516,7 @@ class MemoryPrediction:
 
 def predict_memory(job: Job, prof: StrategyProfile, cfg: DictConfig) -> MemoryPrediction:
     """Bytes per rank by component, and at each moment a step can peak."""
-    m, mb, seq = job.model, job.micro_batch, job.seq_len
+    m, mb, seq = job.model, job.micro_batch, job.local_seq  # a cp rank holds its tokens' activations only
     N = job.layout.numel
     st_bytes, opt_traffic, _ = optimizer_state_bytes_per_param(cfg)
     params_b = 4 * _per_rank(N, prof.shard_degree(job.mesh, "params"))
@@ -573,7 +582,7 @@ def predict_communication(job: Job, prof: StrategyProfile, spec: Optional[Device
     colls = []
     p2p = [] if job.pipeline is None else job.pipeline.collectives(job.mesh, job.model, job.micro_batch * job.grad_accum,
                                                                     job.seq_len)
-    for c in list(prof.collectives) + tensor_parallel_collectives(job) + p2p:
+    for c in list(prof.collectives) + tensor_parallel_collectives(job) + context_parallel_collectives(job) + p2p:
         ranks = axes_degree(job.mesh, c.axes)
         coll = Collective(c.name, c.what, c.bytes_per_step, c.calls, ranks, overlappable=c.overlappable,
                           axes=tuple(c.axes))
@@ -586,12 +595,39 @@ def predict_communication(job: Job, prof: StrategyProfile, spec: Optional[Device
     return colls
 
 
+def ring_attention_note(job: Job, colls: list[Collective], spec: Optional[DeviceSpec]) -> str:
+    """Ring attention's bytes per step and whether one K/V block's transfer hides under the block attention a
+    ring step computes beside it (an off-diagonal step: 2c queries x c keys, or c x 2c, with c = seq / 2cp)."""
+    m, mesh = job.model, job.mesh
+    ring = sum(c.bytes_per_step for c in colls if "cp" in c.axes)
+    line = f"context parallelism: cp={mesh.cp} ring attention sends {ring / 2**20:.2f} MiB per rank per step"
+    if spec is None or not spec.has_ceilings:
+        return line
+    c = job.seq_len // (2 * mesh.cp)
+    kv_bytes = 2 * job.micro_batch * (m.kv_heads // mesh.tp) * 2 * c * m.head_dim * (2 if job.autocast else 4)
+    send_ms = ring_ms("send_recv", kv_bytes, 2, spec.intra_busbw_gbps, spec.collective_latency_us)
+    peak = spec.matmul_tflops.get(job.compute_dtype, spec.matmul_tflops.get("fp32")) * 1e12
+    block_ms = 4 * job.micro_batch * (m.n_heads // mesh.tp) * 2 * c * c * m.head_dim \
+        / (peak * spec.attention_efficiency) * 1e3
+    verdict = "hidden" if send_ms <= block_ms else f"exposed ({send_ms - block_ms:.3f} ms per ring step)"
+    return (f"{line}; one K/V block ({kv_bytes / 2**20:.2f} MiB) takes {send_ms:.3f} ms to send against "
+            f"{block_ms:.3f} ms of forward block attention: {verdict}")
+
+
+def context_parallel_collectives(job: Job) -> list:
+    """The cp axis's ring-attention sends of one optimizer step per rank (the plugin describes them)."""
+    if job.context_parallel is None:
+        return []
+    return job.context_parallel.collectives(job.mesh, job.model, job.micro_batch, job.seq_len,
+                                            2 if job.autocast else 4, job.grad_accum, job.checkpointed_blocks)
+
+
 def tensor_parallel_collectives(job: Job) -> list:
     """The tp axis's collectives of one optimizer step (the plugin describes them; under pipeline parallelism, of
     one stage's blocks)."""
     if job.mesh.tp == 1 or job.tensor_parallel is None:
         return []
-    return job.tensor_parallel.collectives(job.mesh, job.stage_model, job.micro_batch, job.seq_len,
+    return job.tensor_parallel.collectives(job.mesh, job.stage_model, job.micro_batch, job.local_seq,
                                            2 if job.autocast else 4, job.grad_accum, job.checkpointed_blocks)
 
 
@@ -636,6 +672,8 @@ def predict_time(job: Job, prof: StrategyProfile, colls: list[Collective], spec:
         # a stage runs 1/pp of every micro-batch's layers, and waits the bubble: busy m of m + p - 1 slots
         stretch = 1 / job.mesh.pp / (1 - pipeline_bubble(job))
         matmul_ms, attn_ms, elem_ms, floor_ms = (x * stretch for x in (matmul_ms, attn_ms, elem_ms, floor_ms))
+    # context parallelism: a rank runs its seq/cp tokens' share of every matmul and (load-balanced) of attention
+    matmul_ms, attn_ms, elem_ms = (x / job.mesh.cp for x in (matmul_ms, attn_ms, elem_ms))
     compute_ms = matmul_ms + attn_ms + elem_ms + opt_ms + floor_ms + prof.copy_bytes_per_step / bw * 1e3
     comm_ms = sum(c.ms for c in colls)
     # an overlapped collective runs beside compute: the compute stream waits only for what compute
@@ -695,6 +733,8 @@ def plan(cfg: DictConfig) -> Plan:
         notes.append(f"pipeline: {mesh.pp} stages, {job.pipeline.schedule}, {job.grad_accum} micro-batches of "
                      f"{job.micro_batch} sequences: bubble {pipeline_bubble(job):.2f}; memory is the "
                      f"last stage's, activations of {_in_flight(job)} micro-batches in flight")
+    if job.context_parallel is not None:
+        notes.append(ring_attention_note(job, colls, spec))
     if job.autocast and prof.autocast_weight_copies:
         notes.append("autocast keeps a bf16 copy of every linear weight until its backward "
                      f"({2 * job.linear_numel / GIB:.2f} GiB)")

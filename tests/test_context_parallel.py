@@ -135,8 +135,41 @@ def _train_worker(rank: int, world: int, configs: dict, ref_path: str, tmp: str)
                 f"{name} {pname}: max error {(got - want).abs().max():.3e}"
 
 
-def test_cp2_trains_like_one_process(reference, tmp_path):
-    run_ranks(_train_worker, world_size=2, args=(CP2, reference, str(tmp_path)), timeout_s=120)
+def _count_ring(tmp: Path) -> None:
+    """The planner's ring-attention terms against one real step: every batch of sends the ring starts, its bytes
+    counted as they go out (2 micro-steps, every block recomputed: all three kinds of transfer occur)."""
+    from core.distributed.context_parallel import RingComm
+    from core.planner import context_parallel_collectives, plan, read_job
+    from core.trainer import build
+
+    cfg = compose_cfg(COMMON + ["mesh=single", "mesh.cp=2", "train.grad_accum_steps=2", "activation_checkpointing=1"],
+                      tmp / "count")
+    run = build(cfg)
+    counted = [0, 0]
+    original = RingComm.start
+
+    def counting(self, tensors):
+        counted[0] += 1
+        counted[1] += sum(t.numel() * t.element_size() for t in tensors)
+        return original(self, tensors)
+
+    RingComm.start = counting
+    try:
+        run.forward_backward(0)
+    finally:
+        RingComm.start = original
+    specs = context_parallel_collectives(read_job(cfg))
+    assert [sum(c.calls for c in specs), sum(c.bytes_per_step for c in specs)] == counted, (specs, counted)
+    assert any("ring attention sends" in n for n in plan(cfg).notes)
+
+
+def _cp2_worker(rank: int, world: int, ref_path: str, tmp: str) -> None:
+    _train_worker(rank, world, CP2, ref_path, tmp)
+    _count_ring(Path(tmp))
+
+
+def test_cp2_trains_like_one_process_and_the_planner_counts_its_ring(reference, tmp_path):
+    run_ranks(_cp2_worker, world_size=2, args=(reference, str(tmp_path)), timeout_s=120)
 
 
 def test_cp2_with_tp2_or_dp2_trains_like_one_process(reference, tmp_path):

@@ -92,41 +92,43 @@ def _square_causal(n: int, device) -> Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
-def _flash_torch() -> BlockKernel:
+def _flash_torch(attention=None) -> BlockKernel:
     from core.kernels.flash_torch import flash_backward, flash_forward
 
     return BlockKernel("flash_torch", flash_forward, flash_backward)
 
 
-def _flash_triton() -> BlockKernel:
+def _flash_triton(attention=None) -> BlockKernel:
+    """The Triton kernels with the attention implementation's `FlashConfig`; the two-pass backward (no atomics),
+    whatever the config's `backward` policy picks for a whole sequence."""
     from core.kernels import flash_triton as ft
+
+    config = getattr(attention, "config", None) or ft.DEFAULT_CONFIG
 
     def four(x: Tensor) -> Tensor:  # the kernels take contiguous (Z, H, N, d)
         return x.contiguous().reshape(-1, *x.shape[-3:])
 
     def forward(q, k, v, causal):
-        o, lse = ft.flash_fwd_impl(four(q), four(k), four(v), causal)
+        o, lse = ft.flash_fwd_impl(four(q), four(k), four(v), causal, config)
         return o.reshape(q.shape), lse.reshape(q.shape[:-1])
 
     def backward(do, q, k, v, o, lse, causal):
         q4 = four(q)
         dq, dk, dv = ft.flash_bwd_impl(four(do), q4, four(k), four(v), four(o),
-                                       lse.contiguous().reshape(q4.shape[:-1]), causal, ft.BWD_TWO_PASS)
+                                       lse.contiguous().reshape(q4.shape[:-1]), causal, ft.BWD_TWO_PASS, config)
         return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
 
     return BlockKernel("flash_triton", forward, backward)
 
 
-def _math() -> BlockKernel:
+def _math(attention=None) -> BlockKernel:
     return BlockKernel("math", math_block_forward, math_block_backward)
 
 
 # the attention implementation (its kernel's dotted path, or its class's) -> the block kernel the ring calls
-BLOCK_KERNELS: dict[str, Callable[[], BlockKernel]] = {
+BLOCK_KERNELS: dict[str, Callable[..., BlockKernel]] = {
     "core.kernels.flash_torch.FlashAttentionTorch": _flash_torch,
     "core.kernels.flash_triton.FlashAttentionTriton": _flash_triton,
-    "core.kernels.flash_triton.FlashAttentionTritonFusedBwd": _flash_triton,
-    "core.kernels.flash_triton.FlashAttentionTritonAtomicDQ": _flash_triton,
     "core.attention.SDPAAttention": _math,
     "core.attention.NaiveAttention": _math,
 }
@@ -370,6 +372,26 @@ class ContextParallel:
     def finish_gradients(self, model: nn.Module, strategy) -> None:
         """Average the gradients over cp for a strategy without a data-parallel group (which would include cp)."""
 
+    def collectives(self, mesh: ParallelMesh, model_cfg, micro_batch: int, seq_len: int, activation_bytes: int,
+                    micro_steps: int, recomputed_blocks: int) -> list:
+        """The cp axis's point-to-point transfers of one optimizer step per rank (`CollectiveSpec`s, calls = ring
+        steps with a transfer), as `RingContextParallel` runs them, per block and micro-step:
+
+        - forward: cp - 1 steps each send this rank's held K and V, (B, K/tp, seq/cp, E) in `activation_bytes`;
+        - backward: the same cp - 1 K/V steps, and cp steps each sending a dK and a dV accumulator (float32);
+        - a recomputed (checkpointed) block runs its forward's cp - 1 K/V steps again.
+        All of it is launched before the block it overlaps (overlappable)."""
+        cp = mesh.cp
+        if cp == 1:
+            return []
+        from core.distributed.strategy import CollectiveSpec
+
+        kv = 2 * micro_batch * (model_cfg.kv_heads // mesh.tp) * (seq_len // cp) * model_cfg.head_dim
+        calls = micro_steps * (2 * model_cfg.n_layers + recomputed_blocks) * (cp - 1)
+        grads = micro_steps * model_cfg.n_layers * cp
+        return [CollectiveSpec("send_recv", "kv blocks", calls * kv * activation_bytes, calls, ("cp",), True),
+                CollectiveSpec("send_recv", "dkv blocks", grads * kv * 4, grads, ("cp",), True)]
+
     def measure_communication(self, enabled: bool) -> None:
         timer = getattr(self, "timer", None)
         if timer is not None:
@@ -410,7 +432,7 @@ class RingContextParallel(ContextParallel):
             require(key in BLOCK_KERNELS, "attention_impl", f"{key} cannot run as ring-attention blocks",
                     "use attention_impl=flash_torch, flash_triton, sdpa or naive")
             if id(inner) not in rings:
-                rings[id(inner)] = RingAttention(self.comm, BLOCK_KERNELS[key](), getattr(inner, "name", key))
+                rings[id(inner)] = RingAttention(self.comm, BLOCK_KERNELS[key](inner), getattr(inner, "name", key))
             block.attn.attention = rings[id(inner)]
             block.attn.rope = (SlicedRotary(block.attn.rope[0], self.cp, self.rank),)
 

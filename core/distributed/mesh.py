@@ -271,7 +271,8 @@ class ParallelMesh:
 
     def dp_group_ranks(self) -> list[list[int]]:
         """The global ranks of every data-parallel group (dp_replicate x dp_shard x cp, one per pp and tp position), in
-        one order on every rank: what each rank must pass to `dist.new_group`, once per group, to make a copy of its own."""
+        one order on every rank: what each rank must pass to `dist.new_group`, once per group, to make a copy of its
+        own."""
         if self._device_mesh is None:
             return [[0]]
         grid = self._device_mesh.mesh  # (pp, dp_replicate, dp_shard, cp, tp)

@@ -131,6 +131,8 @@ def axes_degree(mesh: ParallelMesh, axes: tuple[str, ...]) -> int:
     n = 1
     for axis in axes:
         n *= getattr(mesh, axis)
+    if "dp_shard" in axes and "cp" not in axes:  # the strategies' 'dp' group spans cp too (mesh.py)
+        n *= mesh.cp
     return n
 
 
