@@ -229,8 +229,9 @@ REFUSED = [  # (overrides beyond mesh=dp1_pp2, the key named)
     (["pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2", "pipeline.microbatches=1"],
      "pipeline.microbatches"),  # not a multiple of pp
     (["pipeline=torch", "pipeline.schedule=ScheduleInterleaved1F1B"], "pipeline.schedule"),
-    (["mesh=dp2_pp2", "parallelism=zero1"], "parallelism"),
-    (["mesh=dp2_pp2", "parallelism=torch_ddp"], "parallelism"),
+    (["mesh=dp2_pp2", "parallelism=torch_fsdp2"], "parallelism"),
+    (["mesh=dp2_pp2", "parallelism=torch_ddp", "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2",
+      "pipeline.microbatches=2"], "parallelism"),  # the last backward reaches one chunk: torch's reducer would hang
     (["mesh.tp=2", "tensor_parallel=dtensor"], "tensor_parallel"),
     (["checkpoint.every=10"], "checkpoint"),
     (["resume=auto"], "checkpoint"),

@@ -22,6 +22,13 @@ One step, per sharded weight ("unit"; a tied weight is one unit used by two modu
             gradients have the shape and dtype of the master shards.
   step      the optimizer updates the fp32 shards only (master weights stay fp32).
 Gradient accumulation reduce-scatters every micro-step (unsharded gradients are never kept).
+Under pipeline parallelism (mesh.pp > 1) a step's m micro-batches run interleaved forwards and backwards, so
+  gathering per use would cost m (1F1B) to 2m all-gathers of every weight and m reduce-scatters; instead each
+  weight is gathered at its first use in the step and held until the step's gradients are reduced, full-size
+  gradients accumulate over the micro-batches and are reduce-scattered once (by the last backward, the rest in
+  `finish_gradient_synchronization`): one all-gather and one reduce-scatter per weight per step, for holding
+  the stage's unsharded weights and gradients during the step (a stage is 1/pp of the model; optimizer state and
+  fp32 masters stay sharded).
 Not combined with activation checkpointing (the recomputed forward would gather again).
 
 Initialisation: a model on the meta device is wrapped as it is. Each sharded weight gets its (zero-padded) shard
@@ -181,6 +188,13 @@ class FullyShardedDataParallel(nn.Module):
         self._pending_rs: list[tuple] = []
         self._ctx_stack: list = []
         self._bias_stack: list = []
+        # under pipeline parallelism (`pipelined`, set by the strategy) a step runs m micro-batches' forwards and
+        # backwards interleaved: each weight is gathered once per step and held until the step's gradients are
+        # reduced (`_held`), and full-size gradients accumulate (`_grad_acc`, reduce dtype) until the step's last
+        # backward (`sync_grads`) or finish_gradient_synchronization reduce-scatters them once
+        self.pipelined, self.sync_grads = False, True
+        self._held: dict[int, torch.Tensor] = {}
+        self._grad_acc: dict[int, torch.Tensor] = {}
 
     # ---- sharding ----
     @torch.no_grad()
@@ -203,8 +217,8 @@ class FullyShardedDataParallel(nn.Module):
     def init_weight(self, module: nn.Module, draw) -> None:
         """A `core.model.WeightInit`: draw `module`'s full weight into a transient tensor and keep this rank's rows
         in its shard (the transient is the only full weight alive; it is freed on return)."""
-        unit = self._unit_of.get(id(module._parameters["weight"]))
-        if unit is None:  # not one of ours (a wrapped module's own weight): initialise it in place
+        unit = self._unit_of.get(id(module._parameters.get("weight")))
+        if unit is None:  # not one of ours (a wrapped module's own weight, another stage's): initialise it in place
             init_part(module, draw)
             return
         shape = getattr(module, "full_weight_shape", None) or unit.full_shape  # a tensor-parallel part's whole
@@ -218,7 +232,8 @@ class FullyShardedDataParallel(nn.Module):
     def _launch_gather(self, units: list[_Unit], for_backward: bool = False) -> None:
         """All-gather the weights of `units` as one coalesced collective, leaving out those already in flight
         (and, for backward, those whose gathered weight is already held)."""
-        units = [u for u in dict.fromkeys(units) if u.pending is None and not (for_backward and u.bwd_buf is not None)]
+        units = [u for u in dict.fromkeys(units) if u.pending is None and not (for_backward and u.bwd_buf is not None)
+                 and u.index not in self._held]
         if not units:
             return
         srcs = [u.shard.detach() for u in units]
@@ -241,10 +256,15 @@ class FullyShardedDataParallel(nn.Module):
             u.pending = (b, gather)
 
     def _take_gathered(self, unit: _Unit) -> torch.Tensor:
+        held = self._held.get(unit.index)
+        if held is not None:
+            return held
         self._launch_gather([unit])
         buf, gather = unit.pending
         unit.pending = None
         gather.wait(self.timer)
+        if self.pipelined and torch.is_grad_enabled():  # a training forward: keep it for the step's other uses
+            self._held[unit.index] = buf
         return buf
 
     def _build_groups(self) -> None:
@@ -345,6 +365,17 @@ class FullyShardedDataParallel(nn.Module):
     # ---- gradients ----
     def _reduce_scatter(self, unit: _Unit, grad: torch.Tensor) -> None:
         rd = self.reduce_dtype or unit.shard.dtype
+        if self.pipelined:
+            acc = self._grad_acc.pop(unit.index, None)
+            if acc is not None:
+                grad = acc.add_(grad)
+            if not self.sync_grads:  # not the step's last backward: keep the full-size sum
+                self._grad_acc[unit.index] = grad if acc is not None else grad.to(rd, copy=True)
+                return
+        self._launch_reduce_scatter(unit, grad)
+
+    def _launch_reduce_scatter(self, unit: _Unit, grad: torch.Tensor) -> None:
+        rd = self.reduce_dtype or unit.shard.dtype
         g = grad.to(rd)
         n = self.world * unit.rows
         if n != unit.full_shape[0]:
@@ -372,10 +403,24 @@ class FullyShardedDataParallel(nn.Module):
         else:
             shard.grad.add_(out.to(shard.dtype))
 
+    @contextlib.contextmanager
+    def gradient_sync(self, enabled: bool):
+        """Pipelined: reduce-scatter in the backwards inside (`enabled`) or accumulate full-size gradients."""
+        prev, self.sync_grads = self.sync_grads, enabled
+        try:
+            yield
+        finally:
+            self.sync_grads = prev
+
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
+        # units whose last backward accumulated (an interleaved chunk's, or all under torch's schedules), in unit
+        # order: every data-parallel rank of the stage issues them alike
+        for index in sorted(self._grad_acc):
+            self._launch_reduce_scatter(self.units[index], self._grad_acc.pop(index))
         while self._pending_rs:
             self._complete_rs(*self._pending_rs.pop(0))
+        self._held.clear()
         for u in self.units:  # drop gathers of weights the optimizer is about to change
             u.bwd_buf = None
             if u.pending is not None:
@@ -474,6 +519,15 @@ class FSDPStrategy(Strategy):
         else:
             fwd_calls, bwd_calls = len(layout.linear_weights) + 1, len(layout.linear_weights)
             unit = max(layout.embedding, max(layout.linear_weights))
+        if mesh.pp > 1:  # a pipeline stage: gathered once and held for the step, reduce-scattered once
+            return StrategyProfile(
+                params_sharded_over=DP_AXES, grads_sharded_over=DP_AXES, optimizer_sharded_over=DP_AXES,
+                collectives=(CollectiveSpec("all_gather", "parameters", gathered * sharded, fwd_calls),
+                             CollectiveSpec("reduce_scatter", "gradients", reduced * sharded,
+                                            len(layout.linear_weights) + 1, overlappable=True),
+                             CollectiveSpec("all_reduce", "gradients", 4 * (layout.numel - sharded), 1)),
+                gathered_param_bytes=gathered * sharded, backward_transient_bytes=reduced * sharded,
+                autocast_weight_copies=False)
         return StrategyProfile(
             params_sharded_over=DP_AXES, grads_sharded_over=DP_AXES, optimizer_sharded_over=DP_AXES,
             collectives=(
@@ -511,9 +565,15 @@ class FSDPStrategy(Strategy):
                     rs_group = made
         self.wrapped = FullyShardedDataParallel(model, group, timer=self.timer, reduce_scatter_group=rs_group,
                                                 device=mesh.device_obj, **self.kwargs)
+        self.wrapped.pipelined = mesh.pp > 1  # gather once and reduce-scatter once per step (module docstring)
         if on_meta:
             init_fn(model, init_weight=self.wrapped.init_weight)
         return self.wrapped
+
+    def gradient_sync(self, enabled: bool):
+        # only a pipeline's micro-batches accumulate unsharded gradients; gradient accumulation reduce-scatters
+        # every micro-step (module docstring)
+        return self.wrapped.gradient_sync(enabled) if self.wrapped.pipelined else contextlib.nullcontext()
 
     def finish_gradient_synchronization(self) -> None:
         self.wrapped.finish_gradient_synchronization()
@@ -536,6 +596,8 @@ class FSDPStrategy(Strategy):
             # squares add up over tp, and the replicated ones were counted 1/tp on each tp rank
             sq = sq.clone()
             dist.all_reduce(sq, group=self.mesh.group("tp"))
+        if self.mesh.pp > 1:  # each stage holds other parameters
+            dist.all_reduce(sq, group=self.mesh.group("pp"))
         norm = sq.sqrt()
         if max_norm > 0 and math.isfinite(max_norm):
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -38,10 +38,12 @@ from core.distributed.mesh import ParallelMesh
 from core.errors import ConfigError, require
 from core.model import Dropped
 
-# strategies whose gradient synchronisation is a wrapper we drive ourselves: a no_sync context for every
-# micro-batch but the last backward, then finish_gradient_synchronization (torch's DDP arms its reducer in the
-# forward, which a pipeline schedule runs micro-batches ahead of their backward)
-COMPOSES_WITH = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed")
+# strategies whose gradient synchronisation a schedule drives through `gradient_sync`: every forward and every
+# backward but the step's last run without it, the last with it, then finish_gradient_synchronization. torch_ddp
+# arms its reducer before that last backward (`TorchDDPStrategy`), our fsdp holds its gathered weights and
+# unsharded gradients for the step (`core.distributed.fsdp`); torch_fsdp2 is not wired
+COMPOSES_WITH = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed", "zero1", "zero1_rs", "fsdp",
+                 "torch_ddp")
 
 
 def stage_layers(n_layers: int, pp: int, stage: int, virtual: int = 1) -> list[int]:
@@ -209,6 +211,11 @@ class PipelineParallel:
         require(local % m == 0, "pipeline.microbatches",
                 f"{m} micro-batches do not split this rank's {local} sequences (train.batch_size / dp)",
                 f"choose pipeline.microbatches dividing {local}")
+        # torch's DDP reducer expects every parameter's gradient in the backward it arms: the step's last
+        # backward covers only one chunk of an interleaved stage
+        require(strategy != "torch_ddp" or self.virtual == 1, "parallelism",
+                "torch_ddp under interleaved 1F1B: the step's last backward reaches only one chunk of the stage, so "
+                "torch's reducer would wait for the other chunk's gradients", "use parallelism=ddp_bucketed")
         if cfg.checkpoint.every or cfg.checkpoint.at_end or cfg.resume:
             raise ConfigError("checkpoint", f"checkpoints under pipeline parallelism (mesh.pp={pp}) are not "
                               "implemented yet: rank 0 would save only its own stage",

@@ -2,8 +2,9 @@
 
 Each rank wraps its stage (the module the strategy returned, so data parallelism stays ours) in a `PipelineStage`
 and runs one of torch's single-stage schedules (`ScheduleGPipe`, `Schedule1F1B`) on it. The schedule cuts the
-batch into `microbatches` pieces itself and divides the gradients by their number (`scale_grads`), so the step is
-one process's mean, like ours. The whole schedule runs without data-parallel synchronisation; the strategy then
+batch into `microbatches` pieces itself; each micro-batch's loss is divided by their number, so the step is one
+process's mean, like ours (not torch's `scale_grads`, which divides `.grad` after the schedule: our fsdp
+accumulates a pipeline's gradients unsharded and fills its shards' `.grad` only when it reduce-scatters them). The whole schedule runs without data-parallel synchronisation; the strategy then
 reduces the accumulated gradients once (`finish_gradient_synchronization`). Evaluation goes through our
 forward-only path (`PipelineParallel.loss`).
 """
@@ -75,7 +76,9 @@ class TorchPipeline(PipelineParallel):
         stage = pipelining.PipelineStage(_ContiguousStage(run.model), self.stage, self.pp, dev, input_args=(inp,), output_args=out,
                                          group=self.group)
         cls = getattr(pipelining, self.schedule)
-        self._schedule = cls(stage, self.microbatches, loss_fn=run.tensor_parallel.loss, scale_grads=True)
+        self._schedule = cls(stage, self.microbatches,
+                             loss_fn=lambda out, y: run.tensor_parallel.loss(out, y) / self.microbatches,
+                             scale_grads=False)
 
     def forward_backward(self, run, step: int) -> Tensor:
         x, y = run.micro_batch("train", step, 0)
@@ -95,6 +98,6 @@ class TorchPipeline(PipelineParallel):
                 self._schedule.step()
         run.strategy.finish_gradient_synchronization()
         run.tensor_parallel.finish_gradients(run.raw_model)
-        total = torch.stack([loss.detach().float() for loss in losses]).mean() if losses else \
+        total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else \
             torch.zeros((), device=run.device)
         return self._broadcast_loss(total)

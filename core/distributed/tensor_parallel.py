@@ -146,9 +146,11 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         softmax, local_target, in_shard = ctx.saved_tensors
-        grad_logits = softmax
-        grad_logits.scatter_add_(-1, local_target.unsqueeze(-1), -in_shard.unsqueeze(-1).to(softmax.dtype))
-        grad_logits.mul_(grad / local_target.numel())
+        # a new tensor, not the saved softmax in place: ZB-H1 runs this backward twice over one graph (its input-
+        # and weight-gradient parts)
+        scale = grad / local_target.numel()
+        grad_logits = softmax * scale
+        grad_logits.scatter_add_(-1, local_target.unsqueeze(-1), (-in_shard.unsqueeze(-1).to(softmax.dtype)) * scale)
         return grad_logits, None, None, None
 
 
