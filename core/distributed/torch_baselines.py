@@ -17,6 +17,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from core.distributed.comm import broadcast_module, init_optimizer_state
@@ -63,9 +64,43 @@ class TorchDDPStrategy(Strategy):
         return self.wrapped
 
     def gradient_sync(self, enabled: bool):
-        if enabled or not hasattr(self.wrapped, "no_sync"):
+        if not hasattr(self.wrapped, "no_sync"):
             return contextlib.nullcontext()
-        return self.wrapped.no_sync()
+        if self.mesh.pp > 1 and enabled:
+            return self._armed()
+        return contextlib.nullcontext() if enabled else self.wrapped.no_sync()
+
+    @contextlib.contextmanager
+    def _armed(self):
+        """Under pipeline parallelism: the step's last backward, whose forward ran long before (under no_sync, as
+        every forward of a pipeline does: DDP arms its reducer in a synced forward and expects that forward's
+        backward next). Arm the reducer here, as torch.distributed.pipelining's stages do, so this backward's
+        hooks all-reduce the buckets, the gradients of the earlier micro-batches included."""
+        self.wrapped.reducer.prepare_for_backward([])
+        self._reduced = True
+        yield
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self) -> None:
+        """Under pipeline parallelism, a step whose schedule never armed the reducer (torch's schedules run our
+        stage wrapper, not the DDP module, so they cannot drive it) gets its gradients averaged over dp here: one
+        flat all-reduce per dtype."""
+        if self.mesh.pp == 1 or not hasattr(self.wrapped, "no_sync"):
+            return
+        if getattr(self, "_reduced", False):
+            self._reduced = False
+            return
+        group = self.mesh.group("dp")
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.wrapped.parameters():
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=group)
+            flat.div_(self.mesh.dp_size)
+            for g, s in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(s)
 
     def state_dict(self, model, optimizer):
         return {"model": _inner(model).state_dict(), "optimizer": optimizer.state_dict()}
