@@ -4,7 +4,7 @@
     1. tensor / sequence parallelism over mesh.tp       (the `tensor_parallel` plugin, shards in place)
     1b. pipeline split over mesh.pp                       (the `pipeline` plugin: this rank's stage only)
     1c. context parallelism over mesh.cp                 (the `context_parallel` plugin: ring attention, RoPE slices)
-       -- expert parallelism plugs in here --
+    1d. expert parallelism over mesh.ep                  (the `expert_parallel` plugin: this rank's experts only)
     2. activation checkpointing                           (marks blocks)
     3. torch.compile                                      (in place: parameter names stay the eager model's)
     4. the data-parallel wrap                             (the `parallelism` strategy: DDP family, ZeRO-1, FSDP, ...)
@@ -24,6 +24,7 @@ from torch import nn
 
 from core import activation_checkpointing
 from core.distributed.context_parallel import ContextParallel
+from core.distributed.expert_parallel import ExpertParallel
 from core.distributed.mesh import ParallelMesh
 from core.distributed.pipeline import PipelineParallel
 from core.distributed.strategy import Strategy
@@ -42,13 +43,16 @@ class Parallelized:
 def parallelize(model: TransformerLM, mesh: ParallelMesh, tensor_parallel: TensorParallel, strategy: Strategy,
                 checkpoint_every: int, compile_model: bool, seed: int,
                 pipeline: PipelineParallel | None = None,
-                context_parallel: ContextParallel | None = None) -> Parallelized:
+                context_parallel: ContextParallel | None = None,
+                expert_parallel: ExpertParallel | None = None) -> Parallelized:
     """Apply every parallelism to a meta-device `model` on an initialised `mesh`, in the order above."""
     tensor_parallel.apply(model, mesh)
     if pipeline is not None:
         pipeline.apply(model, mesh, tensor_parallel)
     if context_parallel is not None:
         context_parallel.apply(model, mesh)
+    if expert_parallel is not None:
+        expert_parallel.apply(model, mesh)
     checkpointed = activation_checkpointing.apply(model, checkpoint_every)
     if compile_model:
         model.compile()

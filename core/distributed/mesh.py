@@ -2,7 +2,8 @@
 
 Axes follow torchtitan: pp, dp_replicate, dp_shard, cp, tp, ep (degree 1 where unused).
 World size is pp * dp_replicate * dp_shard * cp * tp. The data-parallel axes (dp_replicate, dp_shard), tensor
-parallelism (tp, `core.distributed.tensor_parallel`) and pipeline parallelism (pp, `core.distributed.pipeline`) are
+parallelism (tp, `core.distributed.tensor_parallel`), pipeline parallelism (pp, `core.distributed.pipeline`) and expert
+parallelism (ep, `core.distributed.expert_parallel`; it adds no ranks but splits dp_shard x cp into groups of ep) are
 implemented: a degree above 1 on any other axis is refused
 here, before anything runs, rather than trained silently as plain data parallelism. Context parallelism (cp,
 `core.distributed.context_parallel`) splits each sequence over cp ranks; the strategies' data-parallel group
@@ -29,7 +30,7 @@ from core.distributed.heartbeat import Heartbeat, RankStalledError
 from core.errors import ConfigError, require
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
-NOT_IMPLEMENTED_AXES = ("ep",)  # no strategy shards over these yet
+NOT_IMPLEMENTED_AXES: tuple[str, ...] = ()  # axes no plugin implements yet (refused above 1)
 _RANK_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
@@ -126,6 +127,10 @@ class ParallelMesh:
                     f"set mesh.{axis}=1 or more")
         require(self.device in ("auto", "cpu", "cuda"), "mesh.device", f"unknown device {self.device!r}",
                 "use mesh.device=auto, cpu or cuda")
+        # expert parallelism adds no ranks: ep borrows them from dp_shard x cp (core/distributed/expert_parallel.py)
+        require(self.ep == 1 or (self.dp_shard * self.cp) % self.ep == 0, "mesh.ep",
+                f"ep={self.ep} does not divide dp_shard x cp = {self.dp_shard} x {self.cp}: expert parallelism "
+                "borrows its ranks from those axes", f"set mesh.dp_shard to a multiple of {self.ep} (or mesh.ep=1)")
         for axis in NOT_IMPLEMENTED_AXES:
             n = getattr(self, axis)
             require(n == 1, f"mesh.{axis}", f"{axis}={n}: this parallel axis is not implemented yet",
@@ -155,7 +160,8 @@ class ParallelMesh:
         """The mesh as its preset is named (dp1, dp2, ...; conf/mesh/), or its degrees where no preset matches."""
         name = f"dp{self.dp_shard}" if self.dp_replicate == 1 else f"dp_replicate{self.dp_replicate}xdp_shard{self.dp_shard}"
         name += f"_cp{self.cp}" if self.cp > 1 else ""
-        return name + (f"_tp{self.tp}" if self.tp > 1 else "") + (f"_pp{self.pp}" if self.pp > 1 else "")
+        return name + (f"_tp{self.tp}" if self.tp > 1 else "") + (f"_pp{self.pp}" if self.pp > 1 else "") \
+            + (f"_ep{self.ep}" if self.ep > 1 else "")
 
     # ---- devices -------------------------------------------------------------
     def device_type(self) -> str:
@@ -277,6 +283,20 @@ class ParallelMesh:
             return [[0]]
         grid = self._device_mesh.mesh  # (pp, dp_replicate, dp_shard, cp, tp)
         return grid.permute(0, 4, 1, 2, 3).reshape(-1, self.dp_size * self.cp).tolist()
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts under expert parallelism (dp_replicate x dp_shard x cp / ep)."""
+        return self.dp_replicate * self.dp_shard * self.cp // self.ep
+
+    def ep_group_ranks(self) -> tuple[list[list[int]], list[list[int]]]:
+        """The global ranks of every expert-parallel group and of every group holding the same experts (`edp`),
+        in one order on every rank. An ep group is ep consecutive ranks of one dp_shard x cp slice."""
+        if self._device_mesh is None:
+            return [[0]], [[0]]
+        grid = self._device_mesh.mesh.permute(0, 4, 1, 2, 3)  # (pp, tp, dp_replicate, dp_shard, cp)
+        grid = grid.reshape(self.pp * self.tp, self.dp_replicate, -1, self.ep)  # (.., chunk, position in ep)
+        return grid.reshape(-1, self.ep).tolist(), grid.permute(0, 3, 1, 2).reshape(-1, self.edp).tolist()
 
     @property
     def dp_rank(self) -> int:
