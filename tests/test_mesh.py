@@ -1,9 +1,7 @@
-"""Mesh axes: those no strategy implements yet are refused with one line, by the mesh and by train.py; the
-implemented ones are accepted and named as their presets."""
+"""Mesh axes: the implemented ones are accepted and named as their presets; ep borrows its ranks from dp_shard x cp
+(train.py's refusals of expert parallelism: tests/test_expert_parallel.py)."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,12 +12,13 @@ from core.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("axis", ["cp", "ep"])
-def test_unimplemented_axes_are_refused(axis):
+def test_expert_axis_borrows_data_parallel_ranks():
+    """ep adds no ranks (it splits dp_shard x cp into groups of ep); one that does not divide them is refused."""
+    m = ParallelMesh(dp_shard=4, ep=2)
+    assert (m.world_size, m.dp_size, m.edp, m.describe()) == (4, 4, 2, "dp4_ep2")
     with pytest.raises(ConfigError) as e:
-        ParallelMesh(dp_shard=2, **{axis: 2})
-    assert str(e.value).startswith(f"mesh.{axis}: {axis}=2: this parallel axis is not implemented yet. Fix: "
-                                   f"set mesh.{axis}=1")
+        ParallelMesh(dp_shard=2, ep=4)
+    assert str(e.value).startswith("mesh.ep: ep=4 does not divide dp_shard x cp = 2 x 1")
 
 
 def test_data_parallel_axes_are_accepted_and_named_as_presets():
@@ -44,12 +43,3 @@ def test_pipeline_axis_is_accepted_and_named_as_presets():
     assert ParallelMesh(pp=2).describe() == "dp1_pp2"
     for preset in ("dp1_pp2", "dp2_pp2"):
         assert (ROOT / "conf" / "mesh" / f"{preset}.yaml").is_file()
-
-
-def test_train_py_refuses_expert_parallelism_in_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "train.py", "model=tiny", "mesh=dp2", "mesh.ep=2", "mesh.device=cpu",
-                        "parallelism=ddp_bucketed", f"paths.output_root={tmp_path}"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=180)
-    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "mesh.ep: ep=2: this parallel axis is not implemented yet" in r.stderr and "Traceback" not in r.stderr
-    assert not list(tmp_path.rglob("metrics.jsonl"))
