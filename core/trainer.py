@@ -353,7 +353,7 @@ def _resume(run: Run, ckpt: Checkpointer) -> tuple[int, Path | None]:
             print(f"[scalelab] resume=auto: no checkpoint in {ckpt.dir}, starting fresh", flush=True)
         return 0, None
     reader = run.tensor_parallel.checkpoint_reader(run.strategy, run.mesh)
-    state = ckpt.load(resume_from, run.tensor_parallel.checkpoint_view(run.strategy, run.mesh), run.raw_model,
+    state = ckpt.load(resume_from, _checkpoint_view(run), run.raw_model,
                       run.optimizer, OmegaConf.select(cfg, "resume_allow_changes", default=None) or [],
                       readers=[reader] if reader is not None else [])
     run.precision.load_state_dict(state.get("precision", {}))
@@ -398,16 +398,22 @@ def _stop_reason(run: Run, step: int, is_log: bool) -> tuple[str | None, signal.
 def _save(run: Run, ckpt: Checkpointer, step: int) -> None:
     # configs without a checkpoint format are refused up front; a stop signal still asks, and is told why not
     missing = None
-    if run.pipeline.active:
-        missing = "pipeline parallelism"
+    if not run.pipeline.can_checkpoint(run.strategy.name):
+        missing = f"pipeline parallelism under parallelism={run.strategy.name}"
     elif not run.tensor_parallel.can_checkpoint(run.strategy.name):
         missing = f"{run.tensor_parallel.describe()} tensor parallelism under parallelism={run.strategy.name}"
     if missing is not None:
         if run.mesh.is_main:
             print(f"not saving step {step}: {missing} has no checkpoint format yet", flush=True)
         return
-    ckpt.save(step, run.tensor_parallel.checkpoint_view(run.strategy, run.mesh), run.raw_model, run.optimizer,
-              {"precision": run.precision.state_dict()})
+    ckpt.save(step, _checkpoint_view(run), run.raw_model, run.optimizer, {"precision": run.precision.state_dict()})
+
+
+def _checkpoint_view(run: Run):
+    """What saves and loads the model and optimizer state: the strategy, or tensor parallelism's / the pipeline's
+    by-name view of it (`TensorParallelCheckpoint`)."""
+    view = run.tensor_parallel.checkpoint_view(run.strategy, run.mesh)
+    return run.pipeline.checkpoint_view(view, run.strategy, run.tensor_parallel, run.mesh)
 
 
 def _train_loop(run: Run) -> dict[str, Any]:

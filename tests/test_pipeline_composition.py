@@ -1,10 +1,12 @@
-"""Pipeline parallelism composed with the sharding strategies and torch's DDP on CPU ranks
+"""Pipeline parallelism composed with the sharding strategies and torch's DDP, and its checkpoints, on CPU ranks
 (gloo, fp32) against one process.
 
 dp2 x pp2 under zero1, zero1_rs, our fsdp (weights gathered once per step, gradients reduce-scattered once) and
 torch_ddp (its reducer armed before the step's last backward), with our and torch's schedules; our interleaved
 1F1B under data parallelism and ZB-H1 under tensor parallelism; the 3D example (fsdp, dp_shard2 x tp2 x pp2, 8
-ranks): every step's loss and gradient norm is one process's within 1e-4 relative.
+ranks): every step's loss and gradient norm is one process's within 1e-4 relative. A pp2 checkpoint (each stage's
+parameters and optimizer state under the whole model's names, through torch.distributed.checkpoint) resumes on pp2
+and on one process with the uninterrupted run's next losses.
 
 The training and comparison helpers are tests/test_pipeline_parallel.py's."""
 from __future__ import annotations
@@ -74,3 +76,35 @@ def test_3d_fsdp_tp2_pp2_matches_one_process(tmp_path):
     extra = ["mesh=dp2_pp2", "mesh.tp=2", "train.batch_size=8", "pipeline.microbatches=2", "parallelism=fsdp"]
     run_ranks(_compare_worker, world_size=8, timeout_s=240,
               args=({"ours_1f1b_fsdp_tp2": ["pipeline=ours"]}, extra, ref, str(tmp_path)))
+
+
+def test_pp2_checkpoint_resumes_on_pp2_and_on_one_process(tmp_path):
+    """A pp2 run saves each stage's parameters and AdamW state under the whole model's names (DCP); resumed at
+    step 2 on pp2 it continues bit for bit, and on one process (resume_allow_changes=[mesh,world_size]) with the
+    uninterrupted run's next losses."""
+    from tests.utils import read_metrics, read_summary, run_train
+
+    common = ["model=tiny", "model.n_layers=2", "data=synthetic", "data.seq_len=32", "train.batch_size=4",
+              "train.max_steps=4", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
+              "optimizer.warmup_steps=1", "logger=none", "mesh.device=cpu", "mesh.timeout_s=120",
+              "parallelism=none", f"paths.output_root={tmp_path}"]
+
+    def losses(run_dir: Path) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+    first = tmp_path / "pp2"
+    run_train(common + ["mesh=dp1_pp2", "checkpoint.every=2"], first, timeout=600)
+    step2 = first / "checkpoints" / "step_000002"
+    assert (step2 / "dcp").is_dir(), sorted(p.name for p in step2.iterdir())
+    whole = losses(first)
+    for name, mesh in (("same", "mesh=dp1_pp2"), ("single", "mesh=single")):
+        run_dir = tmp_path / name
+        run_train(common + [mesh, f"resume={step2}", "resume_allow_changes=[mesh,world_size]"], run_dir, timeout=600)
+        assert read_summary(run_dir)["status"] == "ok"
+        resumed = losses(run_dir)
+        assert sorted(resumed) == [3, 4], resumed
+        for step in (3, 4):
+            if name == "same":  # the same ranks doing the same arithmetic
+                assert resumed[step] == whole[step], (name, step, resumed[step], whole[step])
+            else:
+                assert abs(resumed[step] - whole[step]) <= 1e-4 * whole[step], (name, step, resumed[step], whole[step])

@@ -44,6 +44,10 @@ from core.model import Dropped
 # unsharded gradients for the step (`core.distributed.fsdp`); torch_fsdp2 is not wired
 COMPOSES_WITH = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed", "zero1", "zero1_rs", "fsdp",
                  "torch_ddp")
+# strategies whose stage state `TensorParallelCheckpoint` saves by the whole model's parameter names (every stage
+# its own entries, any tp split as DTensors): a pipeline run resumes on another pp, tp or dp shape
+CHECKPOINTS_WITH = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed", "torch_ddp", "zero1",
+                    "zero1_rs")
 
 
 def stage_layers(n_layers: int, pp: int, stage: int, virtual: int = 1) -> list[int]:
@@ -216,10 +220,11 @@ class PipelineParallel:
         require(strategy != "torch_ddp" or self.virtual == 1, "parallelism",
                 "torch_ddp under interleaved 1F1B: the step's last backward reaches only one chunk of the stage, so "
                 "torch's reducer would wait for the other chunk's gradients", "use parallelism=ddp_bucketed")
-        if cfg.checkpoint.every or cfg.checkpoint.at_end or cfg.resume:
-            raise ConfigError("checkpoint", f"checkpoints under pipeline parallelism (mesh.pp={pp}) are not "
-                              "implemented yet: rank 0 would save only its own stage",
-                              "set checkpoint.every=0 checkpoint.at_end=false resume=null")
+        if (cfg.checkpoint.every or cfg.checkpoint.at_end or cfg.resume) and strategy not in CHECKPOINTS_WITH:
+            raise ConfigError("checkpoint", f"checkpoints under pipeline parallelism (mesh.pp={pp}) with "
+                              f"parallelism={strategy} are not implemented yet",
+                              f"use one of {', '.join(CHECKPOINTS_WITH)}, or set checkpoint.every=0 "
+                              "checkpoint.at_end=false resume=null")
         require(not cfg.compile, "compile", f"torch.compile under pipeline parallelism (mesh.pp={pp}) is not "
                 "supported yet", "set compile=false")
         require(str(cfg.precision.get("dtype", "fp32")) != "fp16", "precision",
@@ -246,6 +251,23 @@ class PipelineParallel:
         self.prev = dist.get_global_rank(self.group, (self.stage - 1) % self.pp)
         self.next = dist.get_global_rank(self.group, (self.stage + 1) % self.pp)
         self.last_rank = dist.get_global_rank(self.group, self.pp - 1)
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+    def can_checkpoint(self, strategy_name: str) -> bool:
+        """Whether a run under `strategy_name` saves and resumes checkpoints with this plugin (always at pp=1)."""
+        return not self.active or strategy_name in CHECKPOINTS_WITH
+
+    def checkpoint_view(self, view, strategy, tensor_parallel, mesh: ParallelMesh):
+        """What saves and loads a stage's state: `TensorParallelCheckpoint` (`tensor_parallel`'s, already `view`
+        under tp), every parameter and its optimizer state by the whole model's name through DCP. Each stage
+        writes only its own entries (the `Dropped` stand-ins keep the names and hold none), dp replicas once, so
+        the checkpoint holds the whole model once and loads on any pp, tp or dp shape (`reshardable`), one
+        process included."""
+        from core.distributed.tensor_parallel import TensorParallelCheckpoint
+
+        if not self.active or isinstance(view, TensorParallelCheckpoint) or strategy.name not in CHECKPOINTS_WITH:
+            return view
+        return TensorParallelCheckpoint(tensor_parallel, mesh, strategy.name)
 
     def hidden_shape(self, run, rows: int, seq_len: int) -> tuple[int, int, int]:
         """The shape of the hidden state between stages: (rows, tokens, d_model); under sequence parallelism each
