@@ -384,15 +384,30 @@ def part_of_full(module: nn.Module, full: Tensor) -> Tensor:
     reorder = getattr(module, "reorder_full", None)
     if reorder is not None:
         full = reorder(full)
-    coord = weight.device_mesh.get_coordinate()
-    for mesh_dim, placement in enumerate(placements):
-        if placement.is_shard():
-            # FSDP2 over a tensor-parallel DTensor nests its shard inside TP's (_StridedShard): not this left-to-right
-            # split; callers materialise such models before fully_shard instead
-            if type(placement).__name__ != "Shard":
-                raise NotImplementedError(f"this rank's part of a weight placed {tuple(placements)}")
-            full = chunk_of(full, weight.device_mesh.size(mesh_dim), placement.dim, coord[mesh_dim])
+    mesh, coord = weight.device_mesh, weight.device_mesh.get_coordinate()
+
+    def split_dim(placement) -> int | None:
+        return placement.dim if placement.is_shard() or _is_strided(placement) else None
+
+    # DTensor splits along the mesh dims left to right; FSDP2 over a tensor-parallel DTensor nests its dp shard
+    # inside TP's instead (right to left), marked by a _StridedShard on the outer dim whose split_factor counts the
+    # inner shards of that tensor dim: FSDP2 chunks this rank's TP part over dp
+    strided = any(_is_strided(p) for p in placements)
+    for mesh_dim in (reversed(range(len(placements))) if strided else range(len(placements))):
+        placement = placements[mesh_dim]
+        if split_dim(placement) is None:
+            continue
+        inner = math.prod(mesh.size(j) for j in range(mesh_dim + 1, len(placements))
+                          if split_dim(placements[j]) == placement.dim)
+        if type(placement).__name__ != "Shard" and not (_is_strided(placement) and placement.split_factor == inner):
+            raise NotImplementedError(f"this rank's part of a weight placed {tuple(placements)}")
+        full = chunk_of(full, mesh.size(mesh_dim), placement.dim, coord[mesh_dim])
     return full
+
+
+def _is_strided(placement) -> bool:
+    # torch's private _StridedShard (FSDP2 over TP); not a Shard subclass in every torch version
+    return type(placement).__name__ == "_StridedShard"
 
 
 def chunk_of(full: Tensor, n: int, dim: int, i: int) -> Tensor:

@@ -177,7 +177,7 @@ def test_planner_tensor_parallel_terms_match_a_real_step(tmp_path):
     (["mesh.tp=2", "parallelism=torch_fsdp2", "mesh.dp_shard=2"], "parallelism", "does not compose"),
     (["mesh.tp=2", "tensor_parallel=dtensor", "parallelism=ddp_bucketed", "mesh.dp_shard=2"], "parallelism",
      "does not compose"),
-    (["mesh.tp=2", "parallelism=fsdp", "mesh.dp_shard=2", "checkpoint.every=2"], "checkpoint", "not implemented yet"),
+    (["mesh.tp=2", "tensor_parallel=dtensor", "checkpoint.every=2"], "checkpoint", "not implemented yet"),
 ])
 def test_impossible_tensor_parallel_configs_are_one_line(overrides, key, words, tmp_path):
     root = Path(__file__).resolve().parents[1]
@@ -196,11 +196,15 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
-@pytest.mark.parametrize("strategy, targets", [("ddp_bucketed", ("same", "dp2", "single")), ("zero1", ("dp2",))])
-def test_checkpoint_resumes_on_another_mesh_shape(strategy, targets, tmp_path):
+@pytest.mark.parametrize("strategy, source, targets", [("ddp_bucketed", "dp1_tp2", ("same", "dp2", "single")),
+                                                       ("zero1", "dp1_tp2", ("dp2",)),
+                                                       ("fsdp", "dp2_tp2", ("dp4", "dp2"))])
+def test_checkpoint_resumes_on_another_mesh_shape(strategy, source, targets, tmp_path):
     """A tensor-parallel run's checkpoint (DCP, tp-sharded DTensors, qkv by segment; ZeRO-1: each rank's owned
-    optimizer state) resumes exactly on its own mesh, and on other shapes with the next step's loss of the
-    uninterrupted run: dp1 x tp2 -> dp2 (2 ranks, no tp) and -> one process."""
+    optimizer state; our FSDP: each rank's rows of its tp part as boxes of the one-process tensors) resumes
+    exactly on its own mesh, and on other shapes with the next steps' losses of the uninterrupted run (the step
+    after the resume checks the weights, the one after it the AdamW moments): dp1 x tp2 -> dp2 (2 ranks, no tp)
+    and -> one process; fsdp dp2 x tp2 -> dp4 and -> dp2 (tp2 -> tp1)."""
     from tests.utils import read_summary, run_train
 
     common = ["model=tiny", "model.n_kv_heads=2", "model.n_layers=2", "data=synthetic", "data.seq_len=32",
@@ -208,7 +212,7 @@ def test_checkpoint_resumes_on_another_mesh_shape(strategy, targets, tmp_path):
               "train.eval_batches=1", "optimizer.warmup_steps=1", "logger=none", "mesh.device=cpu",
               "mesh.timeout_s=120", f"parallelism={strategy}", f"paths.output_root={tmp_path}"]
     first = tmp_path / "tp2"
-    run_train(common + ["mesh=dp1_tp2", "checkpoint.every=2"], first, timeout=600)
+    run_train(common + [f"mesh={source}", "checkpoint.every=2"], first, timeout=600)
     step2 = first / "checkpoints" / "step_000002"
     assert (step2 / "dcp").is_dir(), sorted(p.name for p in step2.iterdir())
     whole = _losses(first)
@@ -221,7 +225,7 @@ def test_checkpoint_resumes_on_another_mesh_shape(strategy, targets, tmp_path):
         assert r["comm_ms"] == r["dp_comm_ms"] + r["tp_comm_ms"], r
     assert read_summary(first)["tp_comm_ms"] > 0
     allow = "resume_allow_changes=[mesh,world_size]"
-    meshes = {"same": ["mesh=dp1_tp2"], "dp2": ["mesh=dp2"], "single": ["mesh=single"]}
+    meshes = {"same": [f"mesh={source}"], "dp2": ["mesh=dp2"], "dp4": ["mesh=dp4"], "single": ["mesh=single"]}
     for name in targets:
         mesh = meshes[name]
         run_dir = tmp_path / name

@@ -49,11 +49,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from core.distributed.checkpoint_boxes import Boxed, as_checkpoint_entries, is_boxed
 from core.distributed.comm import (CommTimer, all_gather_coalesced, all_gather_flat, broadcast_module, group_rank,
                                    group_size, init_optimizer_state, reduce_scatter_flat, supports_avg)
 from core.distributed.mesh import ParallelMesh
 from core.distributed.strategy import (DP_AXES, CollectiveSpec, ModelInit, ModelLayout, Strategy, StrategyProfile,
                                        axes_degree, materialize)
+from core.distributed.tensor_parallel import rows_in_full
 from core.dtypes import dtype_bytes, parse_dtype
 from core.errors import require
 from core.model import init_part, part_of_full
@@ -498,6 +500,7 @@ class FSDPStrategy(Strategy):
     name = "fsdp"
     data_parallel = True
     checkpoint_format = "dcp"
+    reshardable = True  # every entry's global value is the one-process tensor (`state_dict`): any mesh reads it
     supports_activation_checkpointing = False  # its saved-tensor hooks free gathered weights; recompute would miss them
 
     def __init__(self, compute_dtype: Any = None, reduce_dtype: Any = None, prefetch: int = 1,
@@ -605,22 +608,43 @@ class FSDPStrategy(Strategy):
                 g.mul_(coef.to(g.dtype))
         return norm
 
-    def _wrap(self, p: nn.Parameter, t: torch.Tensor):
+    def _wrap(self, name: str, p: nn.Parameter, t: torch.Tensor, boxed: dict[str, Boxed], key: str):
+        """`t` (parameter `name` or optimizer state shaped like it) as a checkpoint entry whose global value is
+        the one-process tensor: a DTensor sharded over dp, or, under tensor parallelism, this rank's rows of its
+        tp part as boxes of the full weight (recorded in `boxed` under `key`, made into entries collectively)."""
         u = self.wrapped.is_sharded(p)
-        if u is None or not torch.is_tensor(t) or t.shape != p.shape or self.wrapped.world == 1:
+        if u is None or not torch.is_tensor(t) or t.shape != p.shape:
+            return t
+        if self.mesh.tp > 1:
+            module = self.wrapped.module.get_submodule(name.rpartition(".")[0])
+            lo = self.wrapped.rank * u.rows
+            hi = lo + self.wrapped.valid_rows(u)
+            boxes = [(t[a - lo:a - lo + n], off) for a, n, off in rows_in_full(module, lo, hi)]
+            boxed[key] = Boxed(tuple(getattr(module, "full_weight_shape", None) or u.full_shape), t.dtype, boxes)
+            return key
+        if self.wrapped.world == 1:
             return t
         return _shard_dtensor(t[: self.wrapped.valid_rows(u)], u.full_shape, self.mesh.submesh("dp"))
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Every parameter and its optimizer state by name, each entry's global value the one-process tensor,
+        so the checkpoint loads on any mesh (`reshardable`). Loading fills the live shards in place."""
         init_optimizer_state(optimizer)
         named = list(self.wrapped.module.named_parameters())
-        model_sd = {n: self._wrap(p, p.detach()) for n, p in named}
+        boxed: dict[str, Boxed] = {}
+        model_sd = {n: self._wrap(n, p, p.detach(), boxed, n) for n, p in named}
         model_sd.update({n: b for n, b in self.wrapped.module.named_buffers()})
         osd = optimizer.state_dict()
         index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
         name_of = {index[id(p)]: n for n, p in named if id(p) in index}
         param_of = {index[id(p)]: p for _, p in named if id(p) in index}
-        state = {name_of[i]: {k: self._wrap(param_of[i], v) for k, v in s.items()} for i, s in osd["state"].items()}
+        state = {name_of[i]: {k: self._wrap(name_of[i], param_of[i], v, boxed, f"{name_of[i]}/{k}")
+                              for k, v in s.items()} for i, s in osd["state"].items()}
+        if boxed:  # placeholders -> ShardedTensors (one exchange of every rank's boxes)
+            entries = as_checkpoint_entries(boxed)
+            model_sd = {n: entries.get(v, v) if isinstance(v, str) else v for n, v in model_sd.items()}
+            state = {n: {k: entries.get(v, v) if isinstance(v, str) else v for k, v in s.items()}
+                     for n, s in state.items()}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[i] for i in g["params"]]}
                   for g in osd["param_groups"]]
         return {"model": model_sd, "optimizer": {"state": state, "param_groups": groups}}
@@ -633,7 +657,7 @@ class FSDPStrategy(Strategy):
         tensors = dict(self.wrapped.module.named_parameters())
         tensors.update(dict(self.wrapped.module.named_buffers()))
         for n, t in tensors.items():
-            if n in state["model"]:
+            if n in state["model"] and not is_boxed(state["model"][n]):  # boxes were loaded in place
                 src = local(state["model"][n])
                 t.detach()[: src.shape[0]].copy_(src)
         named = dict(self.wrapped.module.named_parameters())
@@ -645,7 +669,7 @@ class FSDPStrategy(Strategy):
             cur = optimizer.state.get(p, {})
             ns = {}
             for k, v in s.items():
-                v = local(v)
+                v = cur[k] if is_boxed(v) else local(v)  # boxes: views of the live state, loaded in place
                 if torch.is_tensor(v) and torch.is_tensor(cur.get(k)) and cur[k].dim() and v.shape != cur[k].shape:
                     full = cur[k].clone()
                     full[: v.shape[0]].copy_(v)

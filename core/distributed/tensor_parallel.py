@@ -183,6 +183,17 @@ class ColumnParallelLinear(nn.Linear):
         """This rank's rows of a full weight."""
         return torch.cat([full[s] for s in self._slices], dim=0)
 
+    def rows_in_full(self, lo: int, hi: int) -> list[tuple[int, int, tuple[int, int]]]:
+        """Where rows [lo, hi) of this rank's weight lie in the full weight: (first local row, rows, the box's
+        offset in the full weight), one box per segment the rows touch."""
+        out, start = [], 0
+        for s in self._slices:
+            a, b = max(lo, start), min(hi, start + s.stop - s.start)
+            if b > a:
+                out.append((a, b - a, (s.start + a - start, 0)))
+            start += s.stop - s.start
+        return out
+
 
 class RowParallelLinear(nn.Linear):
     """A Linear whose input features are split over tp (no bias); its output is a partial sum until g."""
@@ -197,6 +208,10 @@ class RowParallelLinear(nn.Linear):
     def shard_of_full(self, full: Tensor) -> Tensor:
         """This rank's columns of a full weight."""
         return full[:, self._columns]
+
+    def rows_in_full(self, lo: int, hi: int) -> list[tuple[int, int, tuple[int, int]]]:
+        """Rows [lo, hi) of this rank's weight in the full weight (see `ColumnParallelLinear.rows_in_full`)."""
+        return [(lo, hi - lo, (lo, self._columns.start))] if hi > lo else []
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -214,11 +229,24 @@ class VocabParallelEmbedding(nn.Embedding):
         """This rank's rows (vocabulary entries) of a full weight."""
         return full[self.vocab_start:self.vocab_start + self.num_embeddings]
 
+    def rows_in_full(self, lo: int, hi: int) -> list[tuple[int, int, tuple[int, int]]]:
+        """Rows [lo, hi) of this rank's weight in the full weight (see `ColumnParallelLinear.rows_in_full`)."""
+        return [(lo, hi - lo, (self.vocab_start + lo, 0))] if hi > lo else []
+
     def forward(self, tokens: Tensor) -> Tensor:
         local = tokens - self.vocab_start
         outside = (local < 0) | (local >= self.num_embeddings)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         return self.exit_region(out.masked_fill(outside.unsqueeze(-1), 0.0))
+
+
+def rows_in_full(module: nn.Module, lo: int, hi: int) -> list[tuple[int, int, tuple[int, int]]]:
+    """Where rows [lo, hi) of `module`'s 2-D weight (this rank's tensor-parallel part, or a whole weight) lie in
+    the full weight: (first row, rows, the box's offset in the full weight) per box. Our FSDP's checkpoints
+    save its row shards of a tensor-parallel part as these boxes of the one-process tensor."""
+    if hasattr(module, "rows_in_full"):
+        return module.rows_in_full(lo, hi)
+    return [(lo, hi - lo, (lo, 0))] if hi > lo else []
 
 
 class SequenceParallelRMSNorm(RMSNorm):
@@ -365,17 +393,20 @@ class MegatronTensorParallel(TensorParallel):
     composes_with = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed", "zero1", "zero1_rs",
                      "torch_ddp", "fsdp")
     # the whole-parameter strategies: `TensorParallelCheckpoint` saves their state with its tp placements
-    checkpoints_with = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed", "torch_ddp", "zero1",
-                        "zero1_rs")
+    whole_parameter = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed", "torch_ddp", "zero1",
+                       "zero1_rs")
+    # our FSDP saves its own format, its row shards of each tp part as boxes of the one-process tensor
+    # (`rows_in_full`), so its checkpoints reshard too
+    checkpoints_with = whole_parameter + ("fsdp",)
 
     def checkpoint_view(self, strategy, mesh: ParallelMesh):
-        if self.active and strategy.name in self.checkpoints_with:
+        if self.active and strategy.name in self.whole_parameter:
             return TensorParallelCheckpoint(self, mesh, strategy.name)
         return strategy
 
     def checkpoint_reader(self, strategy, mesh: ParallelMesh) -> "TensorParallelCheckpoint | None":
         """The reader of `TensorParallelCheckpoint`s for a whole-parameter strategy on any mesh (tp 1 included)."""
-        return TensorParallelCheckpoint(self, mesh, strategy.name) if strategy.name in self.checkpoints_with else None
+        return TensorParallelCheckpoint(self, mesh, strategy.name) if strategy.name in self.whole_parameter else None
 
     def apply(self, model: nn.Module, mesh: ParallelMesh) -> None:
         super().apply(model, mesh)

@@ -7,8 +7,8 @@ torch_fsdp2  `fully_shard` per TransformerBlock and then the root, reshard after
              measured); checkpoints through torch.distributed.checkpoint's state_dict helpers.
              A meta-device model is sharded first and then materialised (`to_empty` allocates only the local
              shards) and initialised: each weight is drawn whole into a transient tensor, one at a time, and this
-             rank's chunk kept (`core.model.part_of_full`). Over tensor-parallel DTensors (FSDP2 would nest its
-             shard inside TP's) the model is still materialised (this rank's TP part) before `fully_shard`.
+             rank's chunk kept (`core.model.part_of_full`; over tensor-parallel DTensors, FSDP2's chunk of this
+             rank's TP part: each rank allocates only its dp x tp shard).
 """
 from __future__ import annotations
 
@@ -169,9 +169,7 @@ class TorchFSDP2Strategy(Strategy):
         if mesh.world_size == 1:
             self.wrapped = materialize(model, mesh.device_obj, init_fn)
             return self.wrapped
-        # FSDP2 over a tensor-parallel DTensor gives strided 2-D placements: initialise TP's part before sharding
-        shard_first = any(p.is_meta for p in model.parameters()) and \
-            not any(hasattr(p, "placements") for p in model.parameters())
+        shard_first = any(p.is_meta for p in model.parameters())
         if not shard_first:
             model = materialize(model, mesh.device_obj, init_fn)  # identical init on every rank (seeded)
             broadcast_module(model, mesh.group("dp"))
