@@ -105,7 +105,9 @@ class Run:
         """All micro-steps of one optimizer step: returns this rank's mean loss (detached). Under pipeline
         parallelism the pipeline plugin runs the step's micro-batches over the stages."""
         if self.pipeline.active:
-            return self.pipeline.forward_backward(self, step)
+            loss = self.pipeline.forward_backward(self, step)
+            self.context_parallel.finish_gradients(self.raw_model, self.strategy)
+            return loss
         accum = self.cfg.train.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for micro in range(accum):

@@ -37,6 +37,7 @@ from core.distributed.comm import CommTimer
 from core.distributed.mesh import ParallelMesh
 from core.errors import ConfigError, require
 from core.kernels._flash_common import autocast_dtype
+from core.model import CausalSelfAttention
 
 
 # ---- the sequence layout ---------------------------------------------------------------------------------
@@ -315,6 +316,7 @@ class ContextParallel:
     name = "none"
     composes_with: tuple[str, ...] = ()
     tensor_parallel_with: tuple[str, ...] = ("megatron",)
+    pipelines_with: tuple[str, ...] = ("ours",)  # pipeline plugins whose stages run the ring (mesh.pp > 1)
 
     def __init__(self) -> None:
         self.active = False
@@ -331,8 +333,12 @@ class ContextParallel:
             raise ConfigError("data.seq_len", f"context parallelism cuts data.seq_len={seq_len} into 2*cp={2 * cp} "
                               "equal chunks (causal load balancing), which do not divide it",
                               f"choose data.seq_len divisible by {2 * cp} (e.g. {up}) or another mesh.cp")
-        require(mesh.pp == 1, "mesh.cp", f"context parallelism (cp={cp}) with pipeline parallelism (pp={mesh.pp}) "
-                "is not implemented yet", "set mesh.pp=1 or mesh.cp=1")
+        if mesh.pp > 1:
+            from hydra.utils import instantiate
+
+            pipeline = instantiate(cfg.pipeline).name
+            require(pipeline in self.pipelines_with, "pipeline", f"pipeline={pipeline} does not compose with context "
+                    f"parallelism (mesh.cp={cp}, mesh.pp={mesh.pp})", f"use pipeline={' or '.join(self.pipelines_with)}")
         require(strategy_name in self.composes_with, "parallelism",
                 f"parallelism={strategy_name} does not compose with context_parallel={self.name} (mesh.cp={cp})",
                 f"use one of {', '.join(self.composes_with)}")
@@ -427,6 +433,8 @@ class RingContextParallel(ContextParallel):
         self.comm = RingComm(mesh.group("cp"), self.timer, self.overlap)
         rings: dict[int, RingAttention] = {}
         for block in model.blocks:
+            if not isinstance(getattr(block, "attn", None), CausalSelfAttention):  # another pipeline stage's
+                continue
             inner = block.attn.attention
             key = attention_key(inner)
             require(key in BLOCK_KERNELS, "attention_impl", f"{key} cannot run as ring-attention blocks",
