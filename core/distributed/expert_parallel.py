@@ -104,10 +104,8 @@ class ExpertDispatcher:
 
     def __init__(self, group: Optional[dist.ProcessGroup], ep: int, timer: CommTimer) -> None:
         self.group, self.ep, self.timer = group, ep, timer
-        self.bytes_sent = 0  # all-to-all input bytes (dispatch and combine, forward and backward), for the tests
 
     def all_to_all(self, out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int]) -> Any:
-        self.bytes_sent += inp.numel() * inp.element_size()
         work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
         return self.timer.launched(work)
 
