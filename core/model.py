@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from core.attention import AttentionImpl, SDPAAttention
 from core.errors import require
+from core.loss import chunked_linear_cross_entropy
 from core.moe import MoEFeedForward
 from core.nvtx import nvtx_range
 
@@ -205,6 +206,21 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class LMHead(nn.Linear):
+    """The untied output projection (bias-free Linear). `head(h)` gives the logits; `head(h, targets, chunk)` the
+    mean cross-entropy instead, computed `chunk` tokens at a time (all at once for 0) by
+    `core.loss.ChunkedLinearCrossEntropy`, so the (tokens, vocabulary) logits never exist whole. Called as a module
+    either way, so the hooks a strategy or tensor parallelism puts on it (weight gathers, region entry) run."""
+
+    def __init__(self, d_model: int, vocab_size: int) -> None:
+        super().__init__(d_model, vocab_size, bias=False)
+
+    def forward(self, x: Tensor, targets: Tensor | None = None, chunk: int = 0) -> Tensor:
+        if targets is None:
+            return super().forward(x)
+        return chunked_linear_cross_entropy(x, self.weight, targets, chunk or targets.numel())
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + ffn(norm(x))."""
 
@@ -234,16 +250,18 @@ class TransformerLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta)
         self.blocks = nn.ModuleList(TransformerBlock(cfg, attention, self.rope) for _ in range(cfg.n_layers))
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.d_model, cfg.vocab_size)
+        self.loss_chunk_tokens = 0  # > 0: forward(tokens, targets=...) returns the loss from the chunked head
         # the hidden state a later pipeline stage receives holds 1/hidden_seq_parts of the sequence (sequence
         # parallelism shards it over tp): the positions are those of the whole sequence
         self.hidden_seq_parts = 1
 
-    def forward(self, tokens: Tensor, layers: range | None = None) -> Tensor:
-        """Logits of `tokens`; a pipeline stage (some modules `Dropped`) maps its input to its output instead:
-        a later stage takes the hidden state (B, T, D), an earlier one returns it. `layers` runs only those blocks
-        (one chunk of an interleaved pipeline stage): it embeds only if it starts at block 0 and applies the head
-        only if it ends at the last block."""
+    def forward(self, tokens: Tensor, layers: range | None = None, targets: Tensor | None = None) -> Tensor:
+        """Logits of `tokens`, or with `targets` their mean cross-entropy from the LM head in chunks of
+        `loss_chunk_tokens` tokens (core/loss.py: no (B, T, V) logits). A pipeline stage (some modules `Dropped`)
+        maps its input to its output instead: a later stage takes the hidden state (B, T, D), an earlier one
+        returns it. `layers` runs only those blocks (one chunk of an interleaved pipeline stage): it embeds only if
+        it starts at block 0 and applies the head only if it ends at the last block."""
         chunk_first = layers is None or layers.start == 0
         chunk_last = layers is None or layers.stop == len(self.blocks)
         first = not isinstance(self.token_embeddings, Dropped) and chunk_first
@@ -263,6 +281,8 @@ class TransformerLM(nn.Module):
                     x = block(x, positions)
         if isinstance(self.lm_head, Dropped) or not chunk_last:
             return x
+        if targets is not None:
+            return self.lm_head(self.final_norm(x), targets, self.loss_chunk_tokens)  # scalar loss
         return self.lm_head(self.final_norm(x))  # (B, T, V)
 
     def aux_loss(self) -> Tensor | None:

@@ -320,11 +320,13 @@ def moe_activation_bytes(m, batch: int, seq: int, autocast: bool) -> int:
     return int(bt * (router + copies + shared))
 
 
-def head_activation_bytes(m, batch: int, seq: int, autocast: bool) -> int:
-    """Saved outside the blocks: token ids, final norm, lm_head input, log-softmax output, the loss's divisor."""
+def head_activation_bytes(m, batch: int, seq: int, autocast: bool, loss_chunk: int = 0) -> int:
+    """Saved outside the blocks: token ids, final norm, lm_head input, log-softmax output, the loss's divisor; with
+    the chunked head (`loss_chunk` > 0, core/loss.py) one fp32 log-sum-exp per token instead of the last two."""
     B, T, D = batch, seq, m.d_model
     a = 2 if autocast else 4
-    return 8 * B * T + (8 * B * T * D + 4 * B * T) + a * B * T * D + 4 * B * T * m.vocab_size + 4
+    loss = 4 * B * T if loss_chunk else 4 * B * T * m.vocab_size + 4
+    return 8 * B * T + (8 * B * T * D + 4 * B * T) + a * B * T * D + loss
 
 
 def tp_block_activation_bytes(m, batch: int, seq: int, autocast: bool, tp: int, sp: bool) -> int:
@@ -345,7 +347,7 @@ def tp_block_activation_bytes(m, batch: int, seq: int, autocast: bool, tp: int, 
 
 
 def activation_bytes(m, batch: int, seq: int, autocast: bool, checkpointed_blocks: int = 0, tp: int = 1,
-                     sp: bool = False) -> int:
+                     sp: bool = False, loss_chunk: int = 0) -> int:
     """Saved-activation bytes at the end of forward (checkpointed blocks keep only their fp32 input), per
     tensor-parallel rank: the LM head's logits split over the vocabulary, checkpointed inputs over the sequence
     with sequence parallelism."""
@@ -353,9 +355,9 @@ def activation_bytes(m, batch: int, seq: int, autocast: bool, checkpointed_block
     n_ck = checkpointed_blocks
     seq_part = tp if sp else 1
     ck = n_ck * 4 * batch * seq * m.d_model // seq_part + (8 * seq if n_ck else 0)  # fp32 inputs + positions
-    head = head_activation_bytes(m, batch, seq, autocast)
+    head = head_activation_bytes(m, batch, seq, autocast, loss_chunk)
     if tp > 1:
-        logits = 4 * batch * seq * m.vocab_size
+        logits = 0 if loss_chunk else 4 * batch * seq * m.vocab_size
         final_norm = 8 * batch * seq * m.d_model + 4 * batch * seq
         head += logits // tp - logits + (final_norm // seq_part - final_norm)
     return (m.n_layers - n_ck) * blk + ck + head
@@ -429,6 +431,7 @@ class Job:
     compute_dtype: str         # the dtype matmuls run in: bf16 | fp16 | tf32 | fp32
     checkpointed_blocks: int
     compiled: bool
+    loss_chunk_tokens: int = 0  # train.loss_chunk_tokens: the LM head + loss in chunks of this many tokens (0: off)
     tensor_parallel: Any = None  # core.distributed.tensor_parallel.TensorParallel: how mesh.tp splits the model
     context_parallel: Any = None  # core.distributed.context_parallel.ContextParallel under mesh.cp > 1
     pipeline: Any = None       # core.distributed.pipeline.PipelineParallel under mesh.pp > 1 (micro_batch, grad_accum:
@@ -496,7 +499,8 @@ def read_job(cfg: DictConfig) -> Job:
               compute_dtype=prec if prec in ("bf16", "fp16") else ("tf32" if tf32 else "fp32"),
               checkpointed_blocks=checkpointed_count(m.n_layers, every),
               compiled=bool(OmegaConf.select(cfg, "compile", default=False)), tensor_parallel=tensor_parallel,
-              pipeline=pipeline)
+              pipeline=pipeline,
+              loss_chunk_tokens=int(OmegaConf.select(cfg, "train.loss_chunk_tokens", default=0) or 0))
     if mesh.cp > 1 and "context_parallel" in cfg:
         job.context_parallel = instantiate(cfg.context_parallel)
     return job
@@ -527,12 +531,18 @@ def predict_memory(job: Job, prof: StrategyProfile, cfg: DictConfig) -> MemoryPr
     tp, sp = job.mesh.tp, job.sequence_parallel
     # a pipeline stage saves its blocks' activations for every micro-batch in flight (GPipe m, 1F1B at most p)
     sm, held = job.stage_model, _in_flight(job)
-    act_full = held * activation_bytes(sm, mb, seq, job.autocast, 0, tp, sp)
-    act_ck = held * activation_bytes(sm, mb, seq, job.autocast, checkpointed_count(sm.n_layers, every or 1), tp, sp)
-    act = held * activation_bytes(sm, mb, seq, job.autocast, checkpointed_count(sm.n_layers, every), tp, sp) \
-        if job.pipeline is not None else activation_bytes(m, mb, seq, job.autocast, job.checkpointed_blocks, tp, sp)
-    BTV = mb * seq * m.vocab_size // tp  # vocabulary-parallel logits
+    lc = job.loss_chunk_tokens
+    act_full = held * activation_bytes(sm, mb, seq, job.autocast, 0, tp, sp, lc)
+    act_ck = held * activation_bytes(sm, mb, seq, job.autocast, checkpointed_count(sm.n_layers, every or 1), tp, sp,
+                                     lc)
+    act = held * activation_bytes(sm, mb, seq, job.autocast, checkpointed_count(sm.n_layers, every), tp, sp, lc) \
+        if job.pipeline is not None else activation_bytes(m, mb, seq, job.autocast, job.checkpointed_blocks, tp, sp,
+                                                          lc)
+    # vocabulary-parallel logits: of every token, or of one chunk of tokens with the chunked head
+    BTV = min(lc or mb * seq, mb * seq) * m.vocab_size // tp
     loss_transient = (2 if job.autocast else 0) * BTV + 4 * BTV  # logits (compute dtype) + their fp32 copy
+    if lc:  # the chunked backward also holds the head's fp32 weight-gradient sum and one chunk's product with h
+        loss_transient += ((2 if job.autocast else 0) + 4) * m.vocab_size // tp * m.d_model
     # autocast's low-precision weight copies: the cache holds every cast weight until autocast exits
     # (end of forward); autograd keeps those of non-checkpointed blocks (and lm_head) until their backward.
     if job.autocast and prof.autocast_weight_copies:
@@ -543,7 +553,12 @@ def predict_memory(job: Job, prof: StrategyProfile, cfg: DictConfig) -> MemoryPr
     gather_b = prof.gathered_param_bytes
     static = params_b + opt_b + prof.comm_buffer_bytes + prof.compute_copy_bytes
     grads_during_fwd = grads_b if job.grad_accum > 1 else 0  # earlier micro-steps' gradients
-    end_fwd = static + grads_during_fwd + gather_b + max(wcopy_fwd + act, wcopy_saved + act + loss_transient)
+    # a checkpointed block's backward first recomputes its forward: one block's activations on top of what is saved
+    # (after the head's backward, so not at the same time as the loss's transient)
+    n_ck_stage = checkpointed_count(sm.n_layers, every) if job.pipeline is not None else job.checkpointed_blocks
+    recompute = tp_block_activation_bytes(sm, mb, seq, job.autocast, tp, sp) if n_ck_stage else 0
+    end_fwd = static + grads_during_fwd + gather_b + max(wcopy_fwd + act,
+                                                         wcopy_saved + act + max(loss_transient, recompute))
     grads_extra = 0 if prof.grads_in_comm_buffer else grads_b
     end_bwd = static + grads_extra + prof.backward_transient_bytes + gather_b
     opt_transient = 0 if opt_traffic <= 28 else 4 * opt_local  # foreach intermediates
@@ -552,7 +567,7 @@ def predict_memory(job: Job, prof: StrategyProfile, cfg: DictConfig) -> MemoryPr
         components={"parameters": params_b, "gradients": grads_b, "optimizer_state": opt_b, "activations": act,
                     "autocast_weight_copies": wcopy_fwd, "compute_weight_copies": prof.compute_copy_bytes,
                     "gathered_parameters": gather_b, "comm_buffers": prof.comm_buffer_bytes,
-                    "transients": max(loss_transient, prof.backward_transient_bytes, opt_transient,
+                    "transients": max(loss_transient, recompute, prof.backward_transient_bytes, opt_transient,
                                       prof.step_transient_bytes)},
         moments={"end_of_forward": int(end_fwd), "end_of_backward": int(end_bwd), "optimizer_step": int(opt_step)},
         activations_no_ckpt=act_full, activations_with_ckpt=act_ck)
@@ -631,6 +646,12 @@ def tensor_parallel_collectives(job: Job) -> list:
                                            2 if job.autocast else 4, job.grad_accum, job.checkpointed_blocks)
 
 
+def head_recompute_flops(job: Job) -> float:
+    """The chunked head's backward recomputes its logits: one more LM-head matmul per micro-step (0 without it)."""
+    return 2.0 * job.micro_batch * job.seq_len * job.model.d_model * job.model.vocab_size if job.loss_chunk_tokens \
+        else 0.0
+
+
 def predict_time(job: Job, prof: StrategyProfile, colls: list[Collective], spec: DeviceSpec,
                  cfg: DictConfig) -> dict[str, float]:
     """The roofline step time, its parts and the exposed communication (ms); the device must have ceilings."""
@@ -646,7 +667,7 @@ def predict_time(job: Job, prof: StrategyProfile, colls: list[Collective], spec:
     lin_fl = fl["linear_forward"] * 3
     attn_fl = fl["attention_forward"] * 3 * 0.5  # causal kernels skip the masked half
     tp = job.mesh.tp  # each tensor-parallel rank runs 1/tp of every matmul
-    matmul_ms = (lin_fl + n_ck * blk_fwd) / peak * 1e3 * accum / tp
+    matmul_ms = (lin_fl + n_ck * blk_fwd + head_recompute_flops(job)) / peak * 1e3 * accum / tp
     attn_ms = attn_fl / (peak * spec.attention_efficiency) * 1e3 * accum / tp
     # elementwise traffic per block (bytes per BTD / BTF element, forward; backward ~2x):
     # norms 56, linear-input casts 18 (autocast), RoPE 32, residual adds 20, transposes 4; SwiGLU 10/BTF
@@ -745,7 +766,7 @@ def plan(cfg: DictConfig) -> Plan:
                 micro_batch=job.micro_batch, seq_len=job.seq_len, grad_accum=job.grad_accum,
                 checkpointed_blocks=job.checkpointed_blocks, model_flops_per_step=model_flops,
                 matmul_flops_per_step=(fl["forward"] + fl["backward"]) * micro_steps,
-                recompute_flops_per_step=job.checkpointed_blocks * blk_fwd * micro_steps,
+                recompute_flops_per_step=(job.checkpointed_blocks * blk_fwd + head_recompute_flops(job)) * micro_steps,
                 memory=memory.components, activations_no_ckpt=memory.activations_no_ckpt,
                 activations_with_ckpt=memory.activations_with_ckpt, moments=memory.moments,
                 peak_bytes=max(memory.moments.values()), peak_moment=peak_moment, collectives=colls,

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from core import loss as loss_chunking
 from core import stop
 from core.checkpoint import Checkpointer
 from core.data import TokenSource
@@ -93,9 +94,13 @@ class Run:
             return self._loss(x, y)
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with self.precision.autocast():
-            logits = self.model(x)
-        loss = self.tensor_parallel.loss(logits, y)
+        if self.raw_model.loss_chunk_tokens:  # the head returns the loss chunk by chunk (core/loss.py)
+            with self.precision.autocast():
+                loss = self.model(x, targets=y)
+        else:
+            with self.precision.autocast():
+                logits = self.model(x)
+            loss = self.tensor_parallel.loss(logits, y)
         if self.model_cfg.n_experts and torch.is_grad_enabled():
             # MoE: the routers' load-balancing loss joins what training minimises (evaluation stays cross-entropy)
             loss = loss + self.model_cfg.aux_loss_coef * self.raw_model.aux_loss()
@@ -249,8 +254,11 @@ def build(cfg: DictConfig, mesh: ParallelMesh | None = None) -> Run:
     context_parallel: ContextParallel = instantiate(cfg.context_parallel) if "context_parallel" in cfg \
         else ContextParallel()
     context_parallel.validate(mesh, model_cfg, cfg, strategy.name, tensor_parallel.name)
+    chunk = loss_chunking.validate(OmegaConf.select(cfg, "train.loss_chunk_tokens", default=0),
+                                   tensor_parallel.name, mesh.tp, pipeline.name, mesh.pp)
     with torch.device("meta"):
         model = TransformerLM(model_cfg, attention)
+    model.loss_chunk_tokens = chunk
     reset_peak_memory(mesh.device_obj)
     parallel = parallelize(model, mesh, tensor_parallel, strategy, cfg.activation_checkpointing, bool(cfg.compile),
                            int(cfg.seed), pipeline, context_parallel)

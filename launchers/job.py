@@ -129,10 +129,15 @@ def validate(cfg: DictConfig, check_devices: bool = True) -> ParallelMesh:
     tensor_parallel.validate(mesh, instantiate(cfg.model), int(cfg.data.seq_len), strategy.name)
     wants_checkpoints = bool(cfg.checkpoint.every or cfg.checkpoint.at_end or cfg.resume)
     tensor_parallel.validate_checkpointing(mesh, strategy.name, wants_checkpoints)
-    instantiate(cfg.pipeline).validate(mesh, instantiate(cfg.model), cfg, strategy.name, tensor_parallel.name)
+    pipeline = instantiate(cfg.pipeline)
+    pipeline.validate(mesh, instantiate(cfg.model), cfg, strategy.name, tensor_parallel.name)
     if "context_parallel" in cfg:
         instantiate(cfg.context_parallel).validate(mesh, instantiate(cfg.model), cfg, strategy.name,
                                                    tensor_parallel.name)
+    from core.loss import validate as validate_loss_chunking
+
+    validate_loss_chunking(OmegaConf.select(cfg, "train.loss_chunk_tokens", default=0), tensor_parallel.name,
+                           mesh.tp, pipeline.name, mesh.pp)
     return mesh
 
 

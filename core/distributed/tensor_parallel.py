@@ -33,6 +33,7 @@ from core.distributed.comm import CommTimer, all_gather_flat, reduce_scatter_fla
 from core.distributed.mesh import ParallelMesh
 from core.distributed.strategy import CollectiveSpec
 from core.errors import ConfigError, require
+from core.loss import chunked_linear_cross_entropy
 from core.model import RMSNorm
 
 _SEQ = 1  # activations are (B, T, D): the sequence dimension
@@ -193,6 +194,22 @@ class ColumnParallelLinear(nn.Linear):
                 out.append((a, b - a, (s.start + a - start, 0)))
             start += s.stop - s.start
         return out
+
+
+class VocabParallelLMHead(ColumnParallelLinear):
+    """The LM head split over the vocabulary: `head(h)` gives this rank's logit columns; `head(h, targets, chunk)`
+    the mean cross-entropy over the whole vocabulary, `chunk` tokens at a time (core/loss.py), its statistics
+    combined over tp (the region entry in front of the head sums the partial gradient of h)."""
+
+    def __init__(self, linear: nn.Linear, rank: int, world: int, comm: "TPComm") -> None:
+        super().__init__(linear, rank, world)
+        self.vocab_start, self.comm = rank * self.out_features, comm
+
+    def forward(self, x: Tensor, targets: Tensor | None = None, chunk: int = 0) -> Tensor:
+        if targets is None:
+            return super().forward(x)
+        return chunked_linear_cross_entropy(x, self.weight, targets, chunk or targets.numel(), self.vocab_start,
+                                            self.comm)
 
 
 class RowParallelLinear(nn.Linear):
@@ -445,7 +462,7 @@ class MegatronTensorParallel(TensorParallel):
         model.token_embeddings = VocabParallelEmbedding(model.token_embeddings, rank, world, leave)
         if sp:
             model.final_norm = SequenceParallelRMSNorm(model.final_norm, comm)
-        model.lm_head = ColumnParallelLinear(model.lm_head, rank, world)
+        model.lm_head = VocabParallelLMHead(model.lm_head, rank, world, comm)
         model.lm_head.register_forward_pre_hook(enter_hook)
         self.vocab_start = rank * (cfg.vocab_size // world)
 
