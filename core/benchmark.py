@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from core import stop
 from core.errors import require
-from core.metrics import peak_memory_gib, reset_peak_memory
+from core.metrics import memory_stats, peak_memory_gib, reset_peak_memory
 from core.summary import write_summary
 
 MODES = ("forward", "forward_backward", "train_step")
@@ -85,17 +85,47 @@ def run_benchmark(run) -> dict[str, Any]:
         "mfu": (flops / (median / 1e3) / (run.flops.peak_flops_per_device * run.mesh.world_size)
                 if run.flops.peak_flops_per_device else None),
         "mfu_peak_source": run.flops.peak_source,
-        "peak_mem_gib": peak_memory_gib(run.device),
         "times_ms": ms,
+        **_peaks_per_rank(run),
     }
     if run.mesh.is_main:
         table = format_table([row])
         print(table, flush=True)
+        print("peak memory per GPU: " + ", ".join(f"rank {r} {g:.2f} GiB" for r, g in
+                                                   enumerate(row["peak_mem_gib_per_rank"])), flush=True)
         run.run_dir.mkdir(parents=True, exist_ok=True)
         (run.run_dir / "benchmark.md").write_text(table + "\n")
         (run.run_dir / "benchmark.json").write_text(json.dumps(row, indent=2, default=str))
         write_summary(run.run_dir, row)
+        _print_plan_comparison(run, row)
     return row
+
+
+def _peaks_per_rank(run) -> dict[str, Any]:
+    """Every rank's peak memory of the timed steps (the table's figure is the largest), the device, and rank 0's
+    allocator figures (which the planner's comparison reads). Collective: every rank calls it."""
+    import torch
+    import torch.distributed as dist
+
+    peaks = [peak_memory_gib(run.device)]
+    if run.mesh.world_size > 1:
+        gathered: list[Any] = [None] * run.mesh.world_size
+        dist.all_gather_object(gathered, peaks[0])
+        peaks = [float(p) for p in gathered]
+    device = torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else "cpu"
+    return {"peak_mem_gib": max(peaks), "peak_mem_gib_per_rank": peaks, "device": device,
+            **memory_stats(run.device)}
+
+
+def _print_plan_comparison(run, row: dict[str, Any]) -> None:
+    """The planner's prediction (saved in summary.json before the run) beside the timed steps, as a training run
+    prints it at its end."""
+    from core.planner import format_comparison
+
+    path = run.run_dir / "summary.json"
+    predicted = json.loads(path.read_text()).get("plan") if path.is_file() else None
+    if predicted:
+        print(format_comparison(predicted, row), flush=True)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
