@@ -192,11 +192,15 @@ def _tp_worker(rank: int, world: int, ref_path: str, tmp: str) -> None:
                "chunked nosp": ["tensor_parallel=megatron", "tensor_parallel.sequence_parallel=false",
                                 "train.loss_chunk_tokens=40"]}
     _worker(rank, world, configs, "dp1_tp2", ref_path, tmp)
+    # our FSDP gathers the head's weight around the head module's call: the chunked loss saves it through FSDP's
+    # saved-tensor hook like any Linear (the name's last part tells the worker to compare norms, not shards)
+    _worker(rank, world, {"chunked_dp2_fsdp": ["parallelism=fsdp", "train.loss_chunk_tokens=24"]}, "dp2", ref_path,
+            tmp)
 
 
 def test_vocab_parallel_chunked_loss_matches_one_process_plain_loss(tmp_path):
-    """tp2 (ours, with and without sequence parallelism) with the chunked head: 3 steps' losses, gradient norms and
-    each rank's gradients against one process with the plain head."""
+    """tp2 (ours, with and without sequence parallelism) and our fsdp over dp2 with the chunked head: 3 steps'
+    losses, gradient norms and (tp2) each rank's gradients against one process with the plain head."""
     from tests.test_tensor_parallel import _reference as tp_reference
 
     ref = tp_reference(tmp_path)
