@@ -6,7 +6,7 @@ torch_ddp (its reducer armed before the step's last backward), with our and torc
 1F1B under data parallelism and ZB-H1 under tensor parallelism; the 3D example (fsdp, dp_shard2 x tp2 x pp2, 8
 ranks): every step's loss and gradient norm is one process's within 1e-4 relative. A pp2 checkpoint (each stage's
 parameters and optimizer state under the whole model's names, through torch.distributed.checkpoint) resumes on pp2
-and on one process with the uninterrupted run's next losses.
+and on one process with the uninterrupted run's next losses; our fsdp's dp2 x pp2 checkpoint resumes on dp2.
 
 The training and comparison helpers are tests/test_pipeline_parallel.py's."""
 from __future__ import annotations
@@ -108,3 +108,28 @@ def test_pp2_checkpoint_resumes_on_pp2_and_on_one_process(tmp_path):
                 assert resumed[step] == whole[step], (name, step, resumed[step], whole[step])
             else:
                 assert abs(resumed[step] - whole[step]) <= 1e-4 * whole[step], (name, step, resumed[step], whole[step])
+
+
+def test_fsdp_pp2_checkpoint_resumes_without_pipeline(tmp_path):
+    """Our fsdp under dp2 x pp2 saves each stage's row shards by the whole model's names; a dp2 run without a
+    pipeline resumes from it with the uninterrupted run's next losses."""
+    from tests.utils import read_metrics, read_summary, run_train
+
+    common = ["model=tiny", "model.n_layers=2", "data=synthetic", "data.seq_len=32", "train.batch_size=4",
+              "train.max_steps=3", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
+              "optimizer.warmup_steps=1", "logger=none", "mesh.device=cpu", "mesh.timeout_s=120",
+              "parallelism=fsdp", "pipeline.microbatches=2", f"paths.output_root={tmp_path}"]
+
+    def losses(run_dir: Path) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+    first = tmp_path / "dp2_pp2"
+    run_train(common + ["mesh=dp2_pp2", "checkpoint.every=2"], first, timeout=600)
+    step2 = first / "checkpoints" / "step_000002"
+    whole = losses(first)
+    run_dir = tmp_path / "dp2"
+    run_train(common + ["mesh=dp2", f"resume={step2}", "resume_allow_changes=[mesh,world_size]"], run_dir, timeout=600)
+    assert read_summary(run_dir)["status"] == "ok"
+    resumed = losses(run_dir)
+    assert sorted(resumed) == [3], resumed
+    assert abs(resumed[3] - whole[3]) <= 1e-4 * whole[3], (resumed[3], whole[3])

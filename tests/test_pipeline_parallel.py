@@ -233,8 +233,6 @@ REFUSED = [  # (overrides beyond mesh=dp1_pp2, the key named)
     (["mesh=dp2_pp2", "parallelism=torch_ddp", "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2",
       "pipeline.microbatches=2"], "parallelism"),  # the last backward reaches one chunk: torch's reducer would hang
     (["mesh.tp=2", "tensor_parallel=dtensor"], "tensor_parallel"),
-    (["mesh=dp2_pp2", "parallelism=fsdp", "checkpoint.every=10"], "checkpoint"),  # fsdp's format is not by stage
-    (["mesh=dp2_pp2", "parallelism=fsdp", "resume=auto"], "checkpoint"),
     (["compile=true"], "compile"),
 ]
 

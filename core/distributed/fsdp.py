@@ -633,7 +633,8 @@ class FSDPStrategy(Strategy):
         named = list(self.wrapped.module.named_parameters())
         boxed: dict[str, Boxed] = {}
         model_sd = {n: self._wrap(n, p, p.detach(), boxed, n) for n, p in named}
-        model_sd.update({n: b for n, b in self.wrapped.module.named_buffers()})
+        persistent = self.wrapped.module.state_dict().keys()  # not the RoPE tables or pipeline stand-ins' slots
+        model_sd.update({n: b for n, b in self.wrapped.module.named_buffers() if n in persistent})
         osd = optimizer.state_dict()
         index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
         name_of = {index[id(p)]: n for n, p in named if id(p) in index}
@@ -645,9 +646,9 @@ class FSDPStrategy(Strategy):
             model_sd = {n: entries.get(v, v) if isinstance(v, str) else v for n, v in model_sd.items()}
             state = {n: {k: entries.get(v, v) if isinstance(v, str) else v for k, v in s.items()}
                      for n, s in state.items()}
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[i] for i in g["params"]]}
-                  for g in osd["param_groups"]]
-        return {"model": model_sd, "optimizer": {"state": state, "param_groups": groups}}
+        # no parameter groups: their hyper-parameters are the resuming run's, and under pipeline parallelism each
+        # stage's list of names would be a different value under the same key
+        return {"model": model_sd, "optimizer": {"state": state}}
 
     @torch.no_grad()
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
@@ -676,9 +677,7 @@ class FSDPStrategy(Strategy):
                     v = full
                 ns[k] = v.clone() if torch.is_tensor(v) else v
             new_state[index[id(p)]] = ns
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(named[n])] for n in g["params"]]}
-                  for g in state["optimizer"]["param_groups"]]
-        osd = {"state": new_state, "param_groups": groups}
+        osd = {"state": new_state, "param_groups": osd["param_groups"]}  # this run's groups (see state_dict)
         optimizer.load_state_dict(osd)
 
     def full_parameters(self, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -48,6 +48,9 @@ COMPOSES_WITH = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed",
 # its own entries, any tp split as DTensors): a pipeline run resumes on another pp, tp or dp shape
 CHECKPOINTS_WITH = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed", "torch_ddp", "zero1",
                     "zero1_rs")
+# strategies whose own checkpoint format is already by the whole model's names (our fsdp): each stage writes its
+# own entries through it
+SAVES_BY_NAME = ("fsdp",)
 
 
 def stage_layers(n_layers: int, pp: int, stage: int, virtual: int = 1) -> list[int]:
@@ -220,11 +223,11 @@ class PipelineParallel:
         require(strategy != "torch_ddp" or self.virtual == 1, "parallelism",
                 "torch_ddp under interleaved 1F1B: the step's last backward reaches only one chunk of the stage, so "
                 "torch's reducer would wait for the other chunk's gradients", "use parallelism=ddp_bucketed")
-        if (cfg.checkpoint.every or cfg.checkpoint.at_end or cfg.resume) and strategy not in CHECKPOINTS_WITH:
+        if (cfg.checkpoint.every or cfg.checkpoint.at_end or cfg.resume) and not self.saves(strategy):
             raise ConfigError("checkpoint", f"checkpoints under pipeline parallelism (mesh.pp={pp}) with "
                               f"parallelism={strategy} are not implemented yet",
-                              f"use one of {', '.join(CHECKPOINTS_WITH)}, or set checkpoint.every=0 "
-                              "checkpoint.at_end=false resume=null")
+                              f"use one of {', '.join(CHECKPOINTS_WITH + SAVES_BY_NAME)}, or set "
+                              "checkpoint.every=0 checkpoint.at_end=false resume=null")
         require(not cfg.compile, "compile", f"torch.compile under pipeline parallelism (mesh.pp={pp}) is not "
                 "supported yet", "set compile=false")
         require(str(cfg.precision.get("dtype", "fp32")) != "fp16", "precision",
@@ -255,7 +258,12 @@ class PipelineParallel:
     # ---- checkpoints --------------------------------------------------------------------------------------
     def can_checkpoint(self, strategy_name: str) -> bool:
         """Whether a run under `strategy_name` saves and resumes checkpoints with this plugin (always at pp=1)."""
-        return not self.active or strategy_name in CHECKPOINTS_WITH
+        return not self.active or self.saves(strategy_name)
+
+    @staticmethod
+    def saves(strategy_name: str) -> bool:
+        """Whether a stage under `strategy_name` saves its own entries by the whole model's names."""
+        return strategy_name in CHECKPOINTS_WITH + SAVES_BY_NAME
 
     def checkpoint_view(self, view, strategy, tensor_parallel, mesh: ParallelMesh):
         """What saves and loads a stage's state: `TensorParallelCheckpoint` (`tensor_parallel`'s, already `view`
