@@ -74,6 +74,7 @@ class _AllToAllStart(torch.autograd.Function):
         pending = ctx.pending
         pending.dispatcher.wait(pending.grad_work)
         grad_in, pending.grad_work, pending.grad_out, pending.held = pending.grad_out, None, None, ()
+        pending.dispatcher = None  # a graph something keeps alive must not keep the process group alive
         return grad_in, None
 
 
@@ -175,7 +176,7 @@ class ExpertParallel:
         require(getattr(strategy, "supports_expert_parallel", False), "parallelism",
                 f"parallelism={strategy.name} does not run with expert parallelism (mesh.ep={mesh.ep}): it would "
                 "broadcast or average each rank's own experts", "use parallelism=ddp_bucketed (or ddp_naive, "
-                "ddp_flat, ddp_overlap, zero1, zero1_rs), or mesh.ep=1")
+                "ddp_flat, ddp_overlap, zero1, zero1_rs, fsdp), or mesh.ep=1")
         require(not wants_checkpoints, "checkpoint",
                 f"checkpoints of an expert-parallel run (mesh.ep={mesh.ep}) are not supported yet: each rank holds "
                 "other experts", "set checkpoint.every=0 checkpoint.at_end=false resume=null, or mesh.ep=1")

@@ -54,7 +54,7 @@ from core.distributed.comm import (CommTimer, all_gather_coalesced, all_gather_f
                                    group_size, init_optimizer_state, reduce_scatter_flat, supports_avg)
 from core.distributed.mesh import ParallelMesh
 from core.distributed.strategy import (DP_AXES, CollectiveSpec, ModelInit, ModelLayout, Strategy, StrategyProfile,
-                                       axes_degree, materialize)
+                                       axes_degree, expert_group, expert_sharded_parameters, materialize)
 from core.distributed.tensor_parallel import rows_in_full
 from core.dtypes import dtype_bytes, parse_dtype
 from core.errors import require
@@ -153,7 +153,8 @@ class FullyShardedDataParallel(nn.Module):
         self.device = device
         self.timer = timer if timer is not None else CommTimer(device, enabled=False)
         if not on_meta:  # a meta module is filled from the seed, identically on every rank
-            broadcast_module(module, process_group)
+            # each rank's own experts (expert parallelism) are not rank 0's
+            broadcast_module(module, process_group, exclude=frozenset(expert_sharded_parameters(module)))
         self.units: list[_Unit] = []
         self._group_key = {id(m): block_key(n) if group_by == "block" else n for n, m in module.named_modules()}
         by_param: dict[int, _Unit] = {}
@@ -170,7 +171,9 @@ class FullyShardedDataParallel(nn.Module):
         self._unit_of = {id(u.shard): u for u in self.units}
         if on_meta:
             _materialize_rest(module, device)
-        shard_ids = {id(u.shard) for u in self.units}
+        # expert parallelism: a rank's experts are averaged by core.distributed.expert_parallel over the ranks that
+        # hold them, not all-reduced here
+        shard_ids = {id(u.shard) for u in self.units} | expert_sharded_parameters(module)
         seen: set[int] = set()
         self.replicated = []
         for p in module.parameters():
@@ -499,6 +502,7 @@ class FSDPStrategy(Strategy):
 
     name = "fsdp"
     data_parallel = True
+    supports_expert_parallel = True  # the 3-D expert weights are replicated over dp: under ep, each rank's own
     checkpoint_format = "dcp"
     reshardable = True  # every entry's global value is the one-process tensor (`state_dict`): any mesh reads it
     supports_activation_checkpointing = False  # its saved-tensor hooks free gathered weights; recompute would miss them
@@ -601,10 +605,16 @@ class FSDPStrategy(Strategy):
             dist.all_reduce(sq, group=self.mesh.group("tp"))
         if self.mesh.pp > 1:  # each stage holds other parameters
             dist.all_reduce(sq, group=self.mesh.group("pp"))
+        ids = expert_sharded_parameters(w.module)
+        experts = [p.grad for p in w.module.parameters() if id(p) in ids and p.grad is not None]
+        if experts:  # expert parallelism: disjoint over the ep group, the same on the ranks holding the same ones
+            esq = torch.stack([g.float().pow(2).sum() for g in experts]).sum()
+            dist.all_reduce(esq, group=expert_group(w.module))
+            sq = sq + esq
         norm = sq.sqrt()
         if max_norm > 0 and math.isfinite(max_norm):
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for g in sharded + repl:
+            for g in sharded + repl + experts:
                 g.mul_(coef.to(g.dtype))
         return norm
 
