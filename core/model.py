@@ -335,7 +335,7 @@ class TransformerLM(nn.Module):
                 # the 3-D expert weights, before the router (named_modules yields the parent first); each goes
                 # through `init_weight` like a Linear's, so a sharding strategy keeps only its part
                 for p, s in ((module.w1, std), (module.w3, std), (module.w2, out_std)):
-                    init_weight(_WeightSlot(p), lambda t, s=s: nn.init.trunc_normal_(
+                    init_weight(_WeightSlot(p, module), lambda t, s=s: nn.init.trunc_normal_(
                         t, mean=0.0, std=s, a=-3 * s, b=3 * s, generator=gen))
             elif isinstance(module, (RMSNorm, RotaryEmbedding)):
                 module.reset_parameters()
@@ -345,9 +345,14 @@ class _WeightSlot(nn.Module):
     """A parameter presented as a module's `weight`, so the `WeightInit` protocol (built for Linear/Embedding)
     initialises a 3-D expert weight too; transient, never part of the model."""
 
-    def __init__(self, weight: nn.Parameter) -> None:
+    def __init__(self, weight: nn.Parameter, owner: Optional[MoEFeedForward] = None) -> None:
         super().__init__()
         self.weight = weight
+        experts = owner.expert_slice if owner is not None else None
+        if experts is not None and experts != slice(0, owner.n_experts):
+            # expert parallelism: the parameter holds this rank's experts; all n_experts are drawn, in order
+            self.full_weight_shape = (owner.n_experts, *weight.shape[1:])
+            self.shard_of_full = lambda full: full[experts]
 
 
 class Dropped(nn.Module):

@@ -30,6 +30,7 @@ from core import stop
 from core.checkpoint import Checkpointer
 from core.data import TokenSource
 from core.distributed.context_parallel import ContextParallel
+from core.distributed.expert_parallel import ExpertParallel
 from core.distributed.mesh import ParallelMesh
 from core.distributed.pipeline import PipelineParallel
 from core.distributed.strategy import Strategy
@@ -68,6 +69,7 @@ class Run:
     pipeline: PipelineParallel      # under pp > 1 it runs each step's micro-batches over the stages
     memory_marks: dict[str, float] = field(default_factory=dict)
     context_parallel: ContextParallel = field(default_factory=ContextParallel)  # cp > 1: this rank's tokens only
+    expert_parallel: ExpertParallel = field(default_factory=ExpertParallel)  # ep > 1: averages the expert gradients
 
     @property
     def device(self) -> torch.device:
@@ -126,6 +128,7 @@ class Run:
         self.strategy.finish_gradient_synchronization()
         self.tensor_parallel.finish_gradients(self.raw_model)
         self.context_parallel.finish_gradients(self.raw_model, self.strategy)
+        self.expert_parallel.finish_gradients(self.raw_model)
         return total
 
     def optimizer_step(self, step: int, measure_norm: bool) -> tuple[float | None, bool]:
@@ -256,12 +259,16 @@ def build(cfg: DictConfig, mesh: ParallelMesh | None = None) -> Run:
     context_parallel.validate(mesh, model_cfg, cfg, strategy.name, tensor_parallel.name)
     chunk = loss_chunking.validate(OmegaConf.select(cfg, "train.loss_chunk_tokens", default=0),
                                    tensor_parallel.name, mesh.tp, pipeline.name, mesh.pp)
+    expert_parallel: ExpertParallel = instantiate(cfg.expert_parallel) if "expert_parallel" in cfg \
+        else ExpertParallel()
+    expert_parallel.validate(mesh, model_cfg, strategy, bool(cfg.checkpoint.every or cfg.checkpoint.at_end
+                                                             or cfg.resume), bool(cfg.compile))
     with torch.device("meta"):
         model = TransformerLM(model_cfg, attention)
     model.loss_chunk_tokens = chunk
     reset_peak_memory(mesh.device_obj)
     parallel = parallelize(model, mesh, tensor_parallel, strategy, cfg.activation_checkpointing, bool(cfg.compile),
-                           int(cfg.seed), pipeline, context_parallel)
+                           int(cfg.seed), pipeline, context_parallel, expert_parallel=expert_parallel)
     wrapped, n_ckpt = parallel.module, parallel.checkpointed_blocks
     marks = {"after_model_init_gib": peak_memory_gib(mesh.device_obj)}
 
@@ -276,7 +283,8 @@ def build(cfg: DictConfig, mesh: ParallelMesh | None = None) -> Run:
     tokens = cfg.train.batch_size * data.seq_len
     flops = FlopCounter(per_token * tokens, (per_token + recompute) * tokens, peak, source, mesh.world_size)
     return Run(cfg, mesh, strategy, precision, model_cfg, wrapped, model, optimizer, schedule, data, flops,
-               run_dir, local_batch, attention.name, tensor_parallel, pipeline, marks, context_parallel)
+               run_dir, local_batch, attention.name, tensor_parallel, pipeline, marks, context_parallel,
+               expert_parallel=expert_parallel)
 
 
 def _build_loggers(cfg: DictConfig, is_main: bool) -> Logger:
@@ -382,15 +390,18 @@ def _log_record(run: Run, step: int, loss: float, norm: float | None, step_s: fl
 
 
 def _comm_metrics(run: Run) -> dict[str, float]:
-    """Communication time of the logged step: the strategy's (dp axis) and, under tensor parallelism, the tp
-    axis's, each with its exposed part; `comm_ms` / `exposed_comm_ms` are their sums."""
+    """Communication time of the logged step: the strategy's (dp axis) and, under tensor / expert parallelism, the
+    tp / ep axis's, each with its exposed part; `comm_ms` / `exposed_comm_ms` are their sums."""
     dp = run.strategy.step_metrics()
-    tp = run.tensor_parallel.step_metrics()
-    if not tp:
+    axes = {"tp": run.tensor_parallel.step_metrics(), "ep": run.expert_parallel.step_metrics()}
+    axes = {a: m for a, m in axes.items() if m}
+    if not axes:
         return dp
     dp_ms, dp_exposed = dp.get("comm_ms", 0.0), dp.get("exposed_comm_ms", 0.0)
-    return {**dp, "dp_comm_ms": dp_ms, "dp_exposed_comm_ms": dp_exposed, **tp,
-            "comm_ms": dp_ms + tp["tp_comm_ms"], "exposed_comm_ms": dp_exposed + tp["tp_exposed_comm_ms"]}
+    per_axis = {k: v for m in axes.values() for k, v in m.items()}  # tp_/ep_ comm and exposed ms
+    return {**dp, "dp_comm_ms": dp_ms, "dp_exposed_comm_ms": dp_exposed, **per_axis,
+            "comm_ms": dp_ms + sum(m[f"{a}_comm_ms"] for a, m in axes.items()),
+            "exposed_comm_ms": dp_exposed + sum(m[f"{a}_exposed_comm_ms"] for a, m in axes.items())}
 
 
 def _stop_reason(run: Run, step: int, is_log: bool) -> tuple[str | None, signal.Signals | None]:
@@ -410,6 +421,8 @@ def _save(run: Run, ckpt: Checkpointer, step: int) -> None:
     missing = None
     if not run.pipeline.can_checkpoint(run.strategy.name):
         missing = f"pipeline parallelism under parallelism={run.strategy.name}"
+    elif run.mesh.ep > 1:  # each rank holds other experts: rank 0's model is not the whole model
+        missing = "expert parallelism"
     elif not run.tensor_parallel.can_checkpoint(run.strategy.name):
         missing = f"{run.tensor_parallel.describe()} tensor parallelism under parallelism={run.strategy.name}"
     if missing is not None:
@@ -457,6 +470,7 @@ def _train_loop(run: Run) -> dict[str, Any]:
             is_log = (step + 1) % tcfg.log_every == 0 or step == start_step or step + 1 == tcfg.max_steps
             run.strategy.measure_communication(is_log)
             run.tensor_parallel.measure_communication(is_log)
+            run.expert_parallel.measure_communication(is_log)
             run.pipeline.measure_communication(is_log)
             start = _step_mark(run.device)
             loss, norm = run.train_step(step, measure_norm=is_log)
@@ -558,7 +572,7 @@ def _summary(run: Run, status: str, step: int, first_loss, last_loss, val_loss, 
         **run.memory_marks, **memory_stats(run.device),
     }
     for key in ("comm_ms", "exposed_comm_ms", "dp_comm_ms", "dp_exposed_comm_ms", "tp_comm_ms",
-                "tp_exposed_comm_ms"):
+                "tp_exposed_comm_ms", "ep_comm_ms", "ep_exposed_comm_ms"):
         if comm and key in comm[0]:
             out[key] = statistics.median(h[key] for h in comm)
     bubbles = [h["pp_bubble_fraction"] for h in history if "pp_bubble_fraction" in h]

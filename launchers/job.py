@@ -134,6 +134,9 @@ def validate(cfg: DictConfig, check_devices: bool = True) -> ParallelMesh:
     if "context_parallel" in cfg:
         instantiate(cfg.context_parallel).validate(mesh, instantiate(cfg.model), cfg, strategy.name,
                                                    tensor_parallel.name)
+    if "expert_parallel" in cfg:
+        instantiate(cfg.expert_parallel).validate(mesh, instantiate(cfg.model), strategy, wants_checkpoints,
+                                                  bool(cfg.compile))
     from core.loss import validate as validate_loss_chunking
 
     validate_loss_chunking(OmegaConf.select(cfg, "train.loss_chunk_tokens", default=0), tensor_parallel.name,
