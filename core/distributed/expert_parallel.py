@@ -33,6 +33,7 @@ micro-batch of the rank's tokens; the aux loss is likewise the rank's own. With 
 """
 from __future__ import annotations
 
+import datetime
 from typing import Any, Callable, Optional
 
 import torch
@@ -194,17 +195,17 @@ class ExpertParallel:
             raise ConfigError("mesh.ep", f"ep={mesh.ep} but the model has no MoE layers",
                               "set mesh.ep=1 or model.n_experts > 0")
         ep_groups, edp_groups = mesh.ep_group_ranks()
-        me = mesh.rank
+        me, timeout = mesh.rank, datetime.timedelta(seconds=mesh.timeout_s)
         group = edp = None
         for ranks in ep_groups:
-            g = dist.new_group(ranks)
+            g = dist.new_group(ranks, timeout=timeout)
             if me in ranks:
                 group, position = g, ranks.index(me)
-        for ranks in edp_groups:
-            g = dist.new_group(ranks)
+        for ranks in edp_groups if mesh.edp > 1 else ():  # ep = dp: no two ranks hold the same experts
+            g = dist.new_group(ranks, timeout=timeout)
             if me in ranks:
                 edp = g
-        self.edp_group = edp if mesh.edp > 1 else None
+        self.edp_group = edp
         self.dp = mesh.dp_size * mesh.cp
         self.timer = CommTimer(mesh.device_obj, enabled=False)
         self.dispatcher = ExpertDispatcher(group, mesh.ep, self.timer)
@@ -252,18 +253,21 @@ class ExpertParallel:
                     micro_steps: int, recomputed_blocks: int = 0) -> list[CollectiveSpec]:
         """The ep axis's collectives of one optimizer step, per rank, dropless:
 
-        - per MoE layer and micro-step, four all-to-alls of the rank's B T k copies of d_model activations (dispatch
-          and combine, forward and backward; a recomputed block repeats its forward two): counted as what each rank
-          hands to all_to_all_single, its own slice included; under even routing (ep-1)/ep of it leaves the rank.
-          The combine's input is what the rank received, so only the mean over the ep group is this figure exactly;
+        - per MoE layer and micro-step, four all-to-alls of B T k copies of d_model values: the dispatch forward and
+          backward in the residual stream's float32 (the norm's output and its gradient), the combine forward and
+          backward in `activation_bytes` (the experts' output, bf16 under autocast); a recomputed block repeats
+          both forwards. Counted as what each rank hands to all_to_all_single, its own slice included (under even
+          routing (ep-1)/ep of it leaves the rank). A rank sends its own B T k copies out and the rows it received
+          back, so per rank this is the mean over the ep group (exactly it for the rank's own copies);
         - the count exchange, E int64 per layer and forward;
         - the expert gradients' all-reduce over the edp ranks holding the same experts, once per step (fp32)."""
         if mesh.ep == 1 or not model_cfg.n_experts:
             return []
         layers, d = model_cfg.n_layers, model_cfg.d_model
         copies = micro_batch * seq_len * model_cfg.top_k
-        calls = micro_steps * (4 * layers + 2 * recomputed_blocks)
-        out = [CollectiveSpec("all_to_all", "activations", calls * copies * d * activation_bytes, calls, ("ep",)),
+        calls = micro_steps * (2 * layers + recomputed_blocks)  # of each: the dispatch and the combine
+        out = [CollectiveSpec("all_to_all", "dispatched tokens", calls * copies * d * 4, calls, ("ep",)),
+               CollectiveSpec("all_to_all", "expert outputs", calls * copies * d * activation_bytes, calls, ("ep",)),
                CollectiveSpec("all_to_all", "expert counts", micro_steps * (layers + recomputed_blocks)
                               * model_cfg.n_experts * 8, micro_steps * (layers + recomputed_blocks), ("ep",))]
         if mesh.edp > 1:
