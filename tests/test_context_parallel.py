@@ -73,6 +73,40 @@ def test_ring_attention_with_flash_triton_blocks_on_gpus():
               join_group=False)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (flash_triton blocks)")
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_triton_blocks_merge_like_the_ring_on_a_gpu(causal):
+    """What one ring rank does with two K/V blocks, on one GPU: the Triton kernels' (out, lse) of each block merged
+    by the log-sum-exp, and each block's backward from the merged output and lse, equal float64 attention over
+    both blocks (the first block's keys precede the queries; the second is the diagonal one)."""
+    from core.distributed.context_parallel import BLOCK_KERNELS
+    from core.kernels._flash_common import reference_attention
+
+    kernel = BLOCK_KERNELS["core.kernels.flash_triton.FlashAttentionTriton"]()
+    gen = torch.Generator().manual_seed(7)
+    n, e = 96, 64
+    q, k, v, w = (torch.randn(2, 4, m, e, generator=gen, dtype=torch.float64).cuda() for m in (n, 2 * n, 2 * n, n))
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = reference_attention(qr, kr, vr, causal)  # bottom-right causal: block 1 whole, block 2 diagonal
+    (ref_out * w).sum().backward()
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    blocks = [(slice(0, n), False), (slice(n, 2 * n), causal)]
+    parts = [kernel.forward(q32, k32[..., b, :], v32[..., b, :], c) for b, c in blocks]
+    lse = torch.logaddexp(parts[0][1], parts[1][1])
+    out = sum(o.float() * torch.exp(l - lse).unsqueeze(-1) for o, l in parts)
+    dq = torch.zeros_like(q32)
+    dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    for b, c in blocks:
+        kb, vb = k32[..., b, :], v32[..., b, :]
+        dq_b, dk[..., b, :], dv[..., b, :] = kernel.backward(w.float(), q32, kb, vb, out, lse, c)
+        dq += dq_b
+    # fp32 inputs run tf32 dots
+    for name, got, want in (("out", out, ref_out), ("lse", lse, ref_lse), ("dq", dq, qr.grad), ("dk", dk, kr.grad),
+                            ("dv", dv, vr.grad)):
+        err = (got.double() - want.detach()).abs().max().item()
+        assert err < 2e-2, f"causal={causal}: {name} differs from float64 by {err:.2e}"
+
+
 def test_chunks_cover_the_sequence_once():
     from core.distributed.context_parallel import chunk_indices
 
@@ -89,13 +123,11 @@ COMMON = ["model=tiny", "model.n_kv_heads=2", "model.n_layers=2", "data=syntheti
           "mesh.device=cpu", "mesh.timeout_s=120"]
 CP2 = {  # 2 ranks: mesh.cp=2 alone
     "none": ["parallelism=none"],
-    "fsdp": ["parallelism=fsdp"],  # shards over dp_shard x cp = 2 ranks
     "flash_torch_zero1": ["parallelism=zero1", "attention_impl=flash_torch"],
 }
 CP2_X4 = {  # 4 ranks
     "tp2_megatron_sp": ["mesh.tp=2", "parallelism=none"],
-    "tp2_megatron_nosp_ddp": ["mesh.tp=2", "tensor_parallel.sequence_parallel=false", "parallelism=ddp_bucketed"],
-    "dp2_fsdp": ["mesh.dp_shard=2", "parallelism=fsdp"],
+    "dp2_fsdp": ["mesh.dp_shard=2", "parallelism=fsdp"],  # shards over dp_shard x cp = 4 ranks
     "pp2_1f1b": ["mesh.pp=2", "pipeline.schedule=1f1b", "pipeline.microbatches=2"],  # our pipeline: 2 stages x cp2
     "pp2_gpipe_ddp": ["mesh.pp=2", "pipeline.schedule=gpipe", "parallelism=ddp_bucketed"],
 }
@@ -194,6 +226,15 @@ def test_cp2_trains_like_one_process_and_the_planner_counts_its_ring(reference, 
 
 def test_cp2_with_tp2_or_dp2_trains_like_one_process(reference, tmp_path):
     run_ranks(_train_worker, world_size=4, args=(CP2_X4, reference, str(tmp_path)), timeout_s=120)
+
+
+
+@pytest.mark.slow
+def test_pp2_dp2_tp2_cp2_trains_like_one_process(reference, tmp_path):
+    """The 4D shape: 16 gloo ranks (minutes on a 2-core machine, ~1 min on 16 cores)."""
+    shape = {"pp2_dp2_tp2_cp2_ddp": ["mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=2", "parallelism=ddp_bucketed",
+                                     "pipeline.microbatches=2"]}
+    run_ranks(_train_worker, world_size=16, args=(shape, reference, str(tmp_path)), timeout_s=300, deadline_s=900)
 
 
 REFUSED = [

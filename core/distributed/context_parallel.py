@@ -155,7 +155,6 @@ class RingComm:
         self.next, self.prev = ranks[(self.rank + 1) % self.world], ranks[(self.rank - 1) % self.world]
         self.timer = timer
         self.overlap = overlap
-        self.sent_bytes = 0  # counted per send, for the planner's check
 
     def start(self, tensors: list[Tensor]) -> tuple[list[Tensor], list]:
         """Send `tensors` to the next rank and receive same-shaped ones from the previous: (received, works)."""
@@ -163,7 +162,6 @@ class RingComm:
         recv = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in recv]
-        self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
         works = dist.batch_isend_irecv(ops)
         if not self.overlap:
             self.wait(works)
@@ -338,7 +336,8 @@ class ContextParallel:
 
             pipeline = instantiate(cfg.pipeline).name
             require(pipeline in self.pipelines_with, "pipeline", f"pipeline={pipeline} does not compose with context "
-                    f"parallelism (mesh.cp={cp}, mesh.pp={mesh.pp})", f"use pipeline={' or '.join(self.pipelines_with)}")
+                    f"parallelism (mesh.cp={cp}, mesh.pp={mesh.pp})",
+                    f"use pipeline={' or '.join(self.pipelines_with)}")
         require(strategy_name in self.composes_with, "parallelism",
                 f"parallelism={strategy_name} does not compose with context_parallel={self.name} (mesh.cp={cp})",
                 f"use one of {', '.join(self.composes_with)}")
