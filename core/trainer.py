@@ -390,10 +390,11 @@ def _log_record(run: Run, step: int, loss: float, norm: float | None, step_s: fl
 
 
 def _comm_metrics(run: Run) -> dict[str, float]:
-    """Communication time of the logged step: the strategy's (dp axis) and, under tensor / expert parallelism, the
-    tp / ep axis's, each with its exposed part; `comm_ms` / `exposed_comm_ms` are their sums."""
+    """Communication time of the logged step: the strategy's (dp axis) and, under tensor / expert / context
+    parallelism, the tp / ep / cp axis's, each with its exposed part; `comm_ms` / `exposed_comm_ms` are their sums."""
     dp = run.strategy.step_metrics()
-    axes = {"tp": run.tensor_parallel.step_metrics(), "ep": run.expert_parallel.step_metrics()}
+    axes = {"tp": run.tensor_parallel.step_metrics(), "ep": run.expert_parallel.step_metrics(),
+            "cp": run.context_parallel.step_metrics()}
     axes = {a: m for a, m in axes.items() if m}
     if not axes:
         return dp
@@ -471,6 +472,7 @@ def _train_loop(run: Run) -> dict[str, Any]:
             run.strategy.measure_communication(is_log)
             run.tensor_parallel.measure_communication(is_log)
             run.expert_parallel.measure_communication(is_log)
+            run.context_parallel.measure_communication(is_log)
             run.pipeline.measure_communication(is_log)
             start = _step_mark(run.device)
             loss, norm = run.train_step(step, measure_norm=is_log)
@@ -572,7 +574,7 @@ def _summary(run: Run, status: str, step: int, first_loss, last_loss, val_loss, 
         **run.memory_marks, **memory_stats(run.device),
     }
     for key in ("comm_ms", "exposed_comm_ms", "dp_comm_ms", "dp_exposed_comm_ms", "tp_comm_ms",
-                "tp_exposed_comm_ms", "ep_comm_ms", "ep_exposed_comm_ms"):
+                "tp_exposed_comm_ms", "ep_comm_ms", "ep_exposed_comm_ms", "cp_comm_ms", "cp_exposed_comm_ms"):
         if comm and key in comm[0]:
             out[key] = statistics.median(h[key] for h in comm)
     bubbles = [h["pp_bubble_fraction"] for h in history if "pp_bubble_fraction" in h]

@@ -24,7 +24,6 @@ fine at the block sizes a rank holds, which is the point of cp). Anything else i
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Callable, NamedTuple
 
@@ -163,14 +162,19 @@ class RingComm:
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in recv]
         works = dist.batch_isend_irecv(ops)
+        if self.timer is not None:
+            for w in works:
+                self.timer.launched(w, self.group)
         if not self.overlap:
             self.wait(works)
         return recv, works
 
     def wait(self, works: list) -> None:
-        ctx = self.timer.blocking() if self.timer is not None and self.timer.enabled else contextlib.nullcontext()
-        with ctx:
-            for w in works:
+        """Wait for a batch; the time spent waiting is the exposed part of the ring's communication."""
+        for w in works:
+            if self.timer is not None:
+                self.timer.wait(w)
+            else:
                 w.wait()
 
 
