@@ -6,6 +6,7 @@ step, the plugins, the strategies' gradient synchronisation and clipping are all
 several configurations one after another (starting ranks costs seconds)."""
 from __future__ import annotations
 
+import itertools
 import math
 import subprocess
 import sys
@@ -188,6 +189,33 @@ def test_impossible_tensor_parallel_configs_are_one_line(overrides, key, words, 
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"error: {key}:") and words in lines[0], proc.stderr
     assert not list(tmp_path.rglob("summary.json"))  # refused before any run directory
+
+
+def test_rows_in_full_name_the_full_weight_rows_of_every_fsdp_shard():
+    """Our FSDP's checkpoint boxes: rows [lo, hi) of a rank's tensor-parallel part, for every dp shard (here 3 of
+    7, 7 and 6 rows, two of them straddling the fused qkv's q/k and k/v segments), are the full weight's pieces
+    the boxes name, compared with `shard_of_full` (the split the one-process comparisons above check)."""
+    from torch import nn
+
+    from core.distributed.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                                  rows_in_full)
+
+    world, dp = 2, 3
+    for rank in range(world):
+        modules = [ColumnParallelLinear(nn.Linear(6, 40, bias=False), rank, world, (24, 8, 8)),
+                   RowParallelLinear(nn.Linear(40, 6, bias=False), rank, world),
+                   VocabParallelEmbedding(nn.Embedding(40, 6), rank, world, lambda x: x), nn.Linear(6, 20, bias=False)]
+        for module in modules:
+            full = torch.randn(getattr(module, "full_weight_shape", None) or module.weight.shape)
+            part = module.shard_of_full(full) if hasattr(module, "shard_of_full") else full
+            rows = -(-part.shape[0] // dp)
+            for d in range(dp):
+                lo, hi = d * rows, min(part.shape[0], (d + 1) * rows)
+                boxes = rows_in_full(module, lo, hi)
+                assert [a for a, _, _ in boxes] == list(itertools.accumulate([lo] + [n for _, n, _ in boxes[:-1]]))
+                got = torch.cat([full[r:r + n, c:c + part.shape[1]] for _, n, (r, c) in boxes])
+                assert torch.equal(got, part[lo:hi]), (type(module).__name__, rank, d, boxes)
+            assert len(rows_in_full(module, 7, 14)) == (2 if isinstance(module, ColumnParallelLinear) else 1)
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
