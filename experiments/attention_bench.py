@@ -78,7 +78,8 @@ class Shape(NamedTuple):
 ALL_IMPLS = ("naive", "compiled", "sdpa_flash", "sdpa_cudnn", "flash_torch", "flash_triton", "flash_triton_atomic",
              "flash_triton_fused")
 # each flash_triton impl name's config overrides (FlashConfig.with_overrides), before the name's own `@...`
-TRITON_VARIANTS = {"flash_triton": "", "flash_triton_atomic": "backward=atomic_dq", "flash_triton_fused": "backward=fused"}
+TRITON_VARIANTS = {"flash_triton": "", "flash_triton_atomic": "backward=atomic_dq",
+                   "flash_triton_fused": "backward=fused"}
 FLASH_TORCH_MAX_SEQ = 1024
 # the training preset: a global batch of TRAINING_TOKENS tokens per step at each sequence length
 TRAINING_TOKENS, TRAINING_HEADS = 65536, 16

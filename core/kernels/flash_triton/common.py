@@ -106,5 +106,3 @@ def _to_4d(x: Tensor) -> Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()
     return x
-
-

@@ -44,7 +44,8 @@ class FlashConfig:
     poison_outputs: fill outputs with NaN before the kernels run, so an unwritten element shows (debugging, tests).
     """
 
-    tiles: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    # given as a mapping (the yaml's dict); kept as sorted (kernel, tiles) pairs, so the config stays hashable
+    tiles: Mapping[str, tuple[int, ...]] | tuple[tuple[str, tuple[int, ...]], ...] = field(default_factory=dict)
     backward: str = "auto"
     fused_max_tiles: int = 256
     fused_max_tiles_wide: int = 128
@@ -71,7 +72,7 @@ class FlashConfig:
                                   "give [BLOCK_M, BLOCK_N, num_warps, num_stages] (optionally maxnreg), "
                                   "block sizes powers of two from 16")
             tiles[kind] = cfg
-        # a sorted tuple of pairs: the config stays hashable (and equal whatever order the yaml lists kernels in)
+        # equal whatever order the yaml lists the kernels in
         object.__setattr__(self, "tiles", tuple(sorted(tiles.items())))
         for name, allowed in (("backward", BACKWARDS), ("split_merge", SPLIT_MERGES)):
             if getattr(self, name) not in allowed:

@@ -207,9 +207,9 @@ if HAVE_GLUON:
                   ds_free, stats_row, offs_n, n_q, causal_off, qk_scale, MASKED: gl.constexpr,
                   IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   PREFETCH: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr):
-        """The query-tile steps of one of the two warpgroups over [start, end). Both store their dS^T into the step's shared buffer (two, by
-        step parity); ROLE 1 then computes the step's dQ = dS K over all 128 keys in one wgmma and reduces it into
-        DQ_ACC, and ROLE 0 issues the TMA loads PREFETCH steps ahead."""
+        """The query-tile steps of one of the two warpgroups over [start, end). Both store their dS^T into the
+        step's shared buffer (two, by step parity); ROLE 1 then computes the step's dQ = dS K over all 128 keys
+        in one wgmma and reduces it into DQ_ACC, and ROLE 0 issues the TMA loads PREFETCH steps ahead."""
         offs_m0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
         zero_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=mma_d)
         keys: gl.constexpr = k_op.shape[0]
