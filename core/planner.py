@@ -149,6 +149,10 @@ class Plan:
     tokens_per_s: Optional[float]
     mfu: Optional[float]
     notes: list[str] = field(default_factory=list)
+    # under pipeline parallelism, compared with the run's measured figures: pp_bubble_fraction, pp_activation_gib
+    # (the most saved activations of any stage; pp_activation_gib_per_stage each stage's), pp_p2p_mib (the busiest
+    # stage's sends and receives per step)
+    pipeline: dict[str, float] = field(default_factory=dict)
 
     @property
     def peak_gib(self) -> float:
@@ -161,8 +165,7 @@ class Plan:
         d["comm_bytes_per_step"] = sum(c.bytes_per_step for c in self.collectives)
         d["comm_ms"] = self.time_ms.get("comm_ms")
         d["exposed_comm_ms"] = self.time_ms.get("exposed_comm_ms")
-        if "pp_bubble_fraction" in self.time_ms:  # compared with the run's measured bubble
-            d["pp_bubble_fraction"] = self.time_ms["pp_bubble_fraction"]
+        d.update(self.pipeline)  # compared with the run's measured bubble, activations and P2P bytes
         tp = [c for c in self.collectives if "tp" in c.axes]
         if tp and self.time_ms:  # inline in the regions: all exposed
             d["tp_comm_ms"] = d["tp_exposed_comm_ms"] = sum(c.ms for c in tp)
@@ -400,19 +403,27 @@ def _strategy(cfg: DictConfig) -> Strategy:
     return instantiate(cfg.parallelism)
 
 
-def model_layout(m, pp: int = 1) -> ModelLayout:
+def model_layout(m, pp: int = 1, pipeline: Any = None) -> ModelLayout:
     """The parameter layout of `TransformerLM(m)`, read off a meta-device instance (no memory); with `pp` > 1, of
-    its last pipeline stage (its blocks, the final norm and the LM head: the largest stage)."""
+    its largest pipeline stage (`pipeline`'s split: its schedule's chunks and its balance; else equal stages)."""
     import torch
 
-    from core.distributed.pipeline import split_stage
+    from core.distributed.pipeline import split_stage, uniform_pieces
     from core.model import TransformerLM
 
-    with torch.device("meta"):
-        model = TransformerLM(m)
-        if pp > 1:
-            split_stage(model, pp, pp - 1)
-        return ModelLayout.of(model)
+    if pp == 1:
+        with torch.device("meta"):
+            return ModelLayout.of(TransformerLM(m))
+    v = getattr(pipeline, "virtual", 1)
+    style = getattr(pipeline, "style", "loop")
+    bounds = pipeline.piece_bounds(m, pp) if pipeline is not None else uniform_pieces(m.n_layers, pp)
+    layouts = []
+    for stage in range(pp):
+        with torch.device("meta"):
+            model = TransformerLM(m)
+            split_stage(model, pp, stage, v, style, bounds)
+            layouts.append(ModelLayout.of(model))
+    return max(layouts, key=lambda lay: lay.numel)
 
 
 @dataclass
@@ -443,7 +454,9 @@ class Job:
         import dataclasses
 
         pp = self.mesh.pp
-        return self.model if pp == 1 else dataclasses.replace(self.model, n_layers=self.model.n_layers // pp)
+        if pp == 1:
+            return self.model
+        return dataclasses.replace(self.model, n_layers=self.layout.n_blocks)
 
     @property
     def local_seq(self) -> int:
@@ -489,12 +502,13 @@ def read_job(cfg: DictConfig) -> Job:
     if mesh.pp > 1 and "pipeline" in cfg:
         # the pipeline's micro-batches stand in for accumulation micro-steps (grad_accum_steps is 1 under pp)
         pipeline = instantiate(cfg.pipeline)
+        pipeline.seq_len = seq  # the per-layer cost a balanced split weighs
         accum = int(pipeline.microbatches)
         require(micro % accum == 0, "pipeline.microbatches", f"{accum} micro-batches do not split {micro} sequences",
                 f"choose pipeline.microbatches dividing {micro}")
         micro //= accum
     job = Job(model=m, mesh=mesh, strategy=_strategy(cfg),
-              layout=model_layout(m, mesh.pp if pipeline else 1).split_over_tp(mesh.tp), global_batch=gbs,
+              layout=model_layout(m, mesh.pp if pipeline else 1, pipeline).split_over_tp(mesh.tp), global_batch=gbs,
               micro_batch=micro, seq_len=seq, grad_accum=accum, precision=prec,
               compute_dtype=prec if prec in ("bf16", "fp16") else ("tf32" if tf32 else "fp32"),
               checkpointed_blocks=checkpointed_count(m.n_layers, every),
@@ -579,6 +593,29 @@ def _in_flight(job: Job) -> int:
     from core.distributed.pipeline import in_flight
 
     return in_flight(job.pipeline.schedule, job.mesh.pp, job.grad_accum, getattr(job.pipeline, "virtual", 1))
+
+
+def stage_activation_bytes(job: Job, stage: int) -> int:
+    """Saved-activation bytes of pipeline stage `stage` at its peak: its micro-batches in flight
+    (`held_micro_batches`: GPipe m, 1F1B p - r, ...) times one micro-batch's bytes through its blocks, with the
+    token ids on the stage that embeds and the final norm, head and loss on the one that has the head."""
+    from core.distributed.pipeline import held_micro_batches, stage_layers, stage_of
+
+    m, p, pipe = job.model, job.mesh.pp, job.pipeline
+    v, style = getattr(pipe, "virtual", 1), getattr(pipe, "style", "loop")
+    blocks = len(stage_layers(m.n_layers, p, stage, v, style, pipe.piece_bounds(m, p)))
+    every = job.checkpointed_blocks and m.n_layers // max(job.checkpointed_blocks, 1)
+    sm = dataclasses.replace(m, n_layers=blocks)
+    mb, seq = job.micro_batch, job.seq_len
+    one = activation_bytes(sm, mb, seq, job.autocast, checkpointed_count(blocks, every), job.mesh.tp,
+                           job.sequence_parallel, job.loss_chunk_tokens)
+    head = head_activation_bytes(m, mb, seq, job.autocast, job.loss_chunk_tokens)
+    tokens = 8 * mb * seq
+    if stage != stage_of(p * v - 1, p, style):
+        one -= head - tokens
+    if stage != stage_of(0, p, style):
+        one -= tokens
+    return int(one * held_micro_batches(pipe.schedule, p, job.grad_accum, v, stage))
 
 
 def pipeline_bubble(job: Job) -> float:
@@ -773,7 +810,12 @@ def plan(cfg: DictConfig) -> Plan:
                 device=None if spec is None else spec.name, device_note=dev_note,
                 device_memory_gib=None if spec is None else spec.memory_gib,
                 ranks_per_memory=mesh.world_size if on_cpu else 1, time_ms=time_ms, step_time_ms=step_ms,
-                tokens_per_s=tps, mfu=mfu, notes=notes)
+                tokens_per_s=tps, mfu=mfu, notes=notes,
+                pipeline={} if job.pipeline is None else {
+                    "pp_bubble_fraction": pipeline_bubble(job),
+                    "pp_activation_gib": max(stage_activation_bytes(job, r) for r in range(mesh.pp)) / GIB,
+                    "pp_activation_gib_per_stage": [stage_activation_bytes(job, r) / GIB for r in range(mesh.pp)],
+                    "pp_p2p_mib": sum(c.bytes_per_step for c in colls if c.name == "send_recv") / 2**20})
 
 
 # ---- prediction against measurement ------------------------------------------------------------------
@@ -796,8 +838,8 @@ def predicted_vs_measured(plan_dict: dict[str, Any], summary: dict[str, Any]) ->
     """Side-by-side numbers for the end of a run (and the sweep report); error = `relative_error`."""
     out = {}
     keys = ("step_time_ms", "tokens_per_s", "peak_mem_gib", "mfu", "comm_ms", "exposed_comm_ms")
-    if plan_dict.get("pp_bubble_fraction") is not None:  # under pipeline parallelism
-        keys += ("pp_bubble_fraction",)
+    # under pipeline parallelism: the bubble, the activations saved at once, the point-to-point bytes of a step
+    keys += tuple(k for k in ("pp_bubble_fraction", "pp_activation_gib", "pp_p2p_mib") if plan_dict.get(k) is not None)
     for k in keys:
         p = plan_dict.get(k)
         meas = measured_peak_memory_gib(summary) if k == "peak_mem_gib" else summary.get(k)

@@ -228,7 +228,16 @@ REFUSED = [  # (overrides beyond mesh=dp1_pp2, the key named)
      "pipeline.virtual_stages"),  # 2 stages x 2 chunks do not split 6 blocks
     (["pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2", "pipeline.microbatches=1"],
      "pipeline.microbatches"),  # not a multiple of pp
-    (["pipeline=torch", "pipeline.schedule=ScheduleInterleaved1F1B"], "pipeline.schedule"),
+    (["pipeline=torch", "pipeline.schedule=ScheduleInterleaved1F1B"], "pipeline.virtual_stages"),  # needs v >= 2
+    (["pipeline=torch", "pipeline.schedule=ScheduleGPipe", "pipeline.virtual_stages=2"], "pipeline.virtual_stages"),
+    (["pipeline=torch", "pipeline.schedule=ScheduleZBVZeroBubble", "pipeline.virtual_stages=4",
+      "model.n_layers=8"], "pipeline.virtual_stages"),  # a V is two chunks
+    (["pipeline=torch", "pipeline.schedule=ScheduleDualPipeV", "pipeline.virtual_stages=2",
+      "pipeline.microbatches=2"], "pipeline.microbatches"),  # fewer micro-batches than its 4 stages
+    (["pipeline=torch", "pipeline.schedule=Schedule1F1B", "pipeline.microbatches=1"], "pipeline.microbatches"),
+    (["pipeline=torch", "pipeline.schedule=ScheduleLoopedBFS"], "pipeline.schedule"),  # not offered
+    (["pipeline.balance=layers"], "pipeline.balance"),
+    (["pipeline.balance=cost", "model.n_layers=1"], "mesh.pp"),  # fewer blocks than stages
     (["mesh=dp2_pp2", "parallelism=torch_fsdp2"], "parallelism"),
     (["mesh=dp2_pp2", "parallelism=torch_ddp", "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2",
       "pipeline.microbatches=2"], "parallelism"),  # the last backward reaches one chunk: torch's reducer would hang
@@ -276,4 +285,5 @@ def test_planner_counts_one_stage_the_bubble_and_the_schedules_activations():
     assert gpipe["memory"]["activations"] == 4 * ofob["memory"]["activations"]  # 8 micro-batches in flight vs 2
     assert gpipe["time_ms"]["pp_bubble_fraction"] == gpipe["pp_bubble_fraction"] == pytest.approx(1 / 9)
     p2p = [c for c in gpipe["collectives"] if c["name"] == "send_recv"]
-    assert sum(c["bytes_per_step"] for c in p2p) == 4 * 8 * (16 // 8) * 512 * d * 4  # 2 ways x 2 tensors x m
+    # each stage of two sends (or receives) every micro-batch's activation and receives (or sends) its gradient
+    assert sum(c["bytes_per_step"] for c in p2p) == 2 * 8 * (16 // 8) * 512 * d * 4

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from core.distributed.mesh import ParallelMesh
@@ -53,31 +54,130 @@ CHECKPOINTS_WITH = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_buckete
 SAVES_BY_NAME = ("fsdp",)
 
 
-def stage_layers(n_layers: int, pp: int, stage: int, virtual: int = 1) -> list[int]:
-    """The blocks stage `stage` of `pp` keeps. With `virtual` chunks per stage (interleaved 1F1B) the blocks are
-    cut into pp * virtual equal pieces and chunk c of the stage holds piece c * pp + stage (Megatron's
-    assignment), so a micro-batch visits every stage `virtual` times; with one chunk, a contiguous share."""
-    return [i for c in range(virtual) for i in chunk_layers(n_layers, pp, stage, virtual, c)]
+def virtual_stage(stage: int, chunk: int, pp: int, style: str = "loop") -> int:
+    """The virtual stage (position in the model, 0 .. pp*v - 1) chunk `chunk` of stage `stage` runs. "loop"
+    (Megatron, torch's interleaved schedules): chunk * pp + stage, so a micro-batch loops over the stages v times;
+    "v" (torch's ZBV / DualPipeV, two chunks): down the stages and back up, chunk 1 of stage r is 2pp - 1 - r, so
+    the first stage holds the first and the last virtual stage."""
+    if style == "v":
+        return stage if chunk == 0 else 2 * pp - 1 - stage
+    return chunk * pp + stage
 
 
-def chunk_layers(n_layers: int, pp: int, stage: int, virtual: int, chunk: int) -> range:
-    """The blocks of chunk `chunk` of stage `stage`: piece chunk * pp + stage of pp * virtual equal pieces."""
-    per = n_layers // (pp * virtual)
-    piece = chunk * pp + stage
-    return range(piece * per, (piece + 1) * per)
+def stage_of(virtual_stage_index: int, pp: int, style: str = "loop") -> int:
+    """The stage (pp rank) that runs virtual stage `virtual_stage_index` (the inverse of `virtual_stage`)."""
+    s = virtual_stage_index
+    if style == "v":
+        return s if s < pp else 2 * pp - 1 - s
+    return s % pp
 
 
-def split_stage(model: nn.Module, pp: int, stage: int, virtual: int = 1) -> None:
+def uniform_pieces(n_layers: int, pieces: int) -> list[range]:
+    """`pieces` contiguous, equal block ranges (`pieces` divides `n_layers`)."""
+    per = n_layers // pieces
+    return [range(k * per, (k + 1) * per) for k in range(pieces)]
+
+
+def piece_costs(bounds: list[range], costs: list[float]) -> list[float]:
+    """The cost of each piece: its blocks' costs, plus the embedding's on the first and the head's on the last
+    (`costs` = [embedding, block 0 .. block L-1, norm + head + loss], as `layer_costs` gives)."""
+    out = [sum(costs[1 + i] for i in b) for b in bounds]
+    out[0] += costs[0]
+    out[-1] += costs[-1]
+    return out
+
+
+def balanced_pieces(costs: list[float], pieces: int) -> list[range]:
+    """Contiguous block ranges, at least one block each, that make the costliest piece as cheap as possible
+    (`costs` as in `piece_costs`): the linear-partition dynamic programme over (pieces, blocks). Where the equal
+    split is as good, it is kept."""
+    n = len(costs) - 2
+    block = costs[1:-1]
+    prefix = [0.0]
+    for c in block:
+        prefix.append(prefix[-1] + c)
+
+    def span(i: int, j: int, k: int) -> float:  # piece k holds blocks i .. j-1
+        return prefix[j] - prefix[i] + (costs[0] if k == 0 else 0.0) + (costs[-1] if k == pieces - 1 else 0.0)
+
+    inf = float("inf")
+    # best[k][j]: the smallest costliest piece when pieces 0..k hold blocks 0..j-1; cut[k][j]: where piece k starts
+    best = [[inf] * (n + 1) for _ in range(pieces)]
+    cut = [[0] * (n + 1) for _ in range(pieces)]
+    for j in range(1, n + 1):
+        best[0][j] = span(0, j, 0)
+    for k in range(1, pieces):
+        for j in range(k + 1, n + 1):
+            for i in range(k, j):
+                c = max(best[k - 1][i], span(i, j, k))
+                if c < best[k][j]:
+                    best[k][j], cut[k][j] = c, i
+    bounds, j = [], n
+    for k in range(pieces - 1, 0, -1):
+        i = cut[k][j]
+        bounds.append(range(i, j))
+        j = i
+    bounds.append(range(0, j))
+    bounds.reverse()
+    if n % pieces == 0:
+        even = uniform_pieces(n, pieces)
+        if max(piece_costs(even, costs)) <= max(piece_costs(bounds, costs)) * (1 + 1e-12):
+            return even
+    return bounds
+
+
+# FLOPs one byte of elementwise (memory-bound) traffic is worth when costing layers against each other: about an
+# H100's bf16 matmul rate over its HBM bandwidth, rounded down (a balance, not a device prediction)
+ELEMENTWISE_FLOPS_PER_BYTE = 100.0
+
+
+def layer_costs(m, seq: int) -> list[float]:
+    """The cost of one token's forward and backward through each layer of a dense `ModelConfig`, in
+    FLOP-equivalents: [embedding, block 0 .. block L-1, final norm + LM head + loss]. Matmul FLOPs counted as the
+    planner counts them (`core.planner.matmul_flops`: backward 2x forward, attention over the full T x T) plus
+    `ELEMENTWISE_FLOPS_PER_BYTE` per byte of the elementwise traffic the planner's step time counts (a block's
+    norms, RoPE, residuals and SwiGLU; the head's norm and cross-entropy over the vocabulary; the embedding's row
+    gather, its gradient's scatter and zeroing). `pipeline.balance=cost` balances the stages on it."""
+    d, v, r = m.d_model, m.vocab_size, ELEMENTWISE_FLOPS_PER_BYTE
+    heads = m.n_heads * m.head_dim
+    linear = d * (heads + 2 * m.kv_heads * m.head_dim) + heads * d + 3 * d * m.d_ff  # qkv, output, SwiGLU
+    block_fwd = 2 * linear + 2 * 2 * seq * heads  # + QK^T and PV per token
+    block = 3 * block_fwd + r * 3 * (112 * d + 10 * m.d_ff)  # fp32 bytes per token, backward ~2x forward
+    head = 3 * 2 * d * v + r * (30 * v + 3 * 56 * d)
+    embedding = r * 3 * 4 * d
+    return [embedding] + [block] * m.n_layers + [head]
+
+
+def stage_layers(n_layers: int, pp: int, stage: int, virtual: int = 1, style: str = "loop",
+                 bounds: list[range] | None = None) -> list[int]:
+    """The blocks stage `stage` of `pp` keeps. With `virtual` chunks per stage (interleaved schedules) the blocks
+    are cut into pp * virtual pieces (`bounds`; equal ones by default) and chunk c of the stage holds piece
+    `virtual_stage(stage, c, pp, style)` (Megatron's assignment under "loop"), so a micro-batch visits every
+    stage `virtual` times; with one chunk, a contiguous share."""
+    return [i for c in range(virtual) for i in chunk_layers(n_layers, pp, stage, virtual, c, style, bounds)]
+
+
+def chunk_layers(n_layers: int, pp: int, stage: int, virtual: int, chunk: int, style: str = "loop",
+                 bounds: list[range] | None = None) -> range:
+    """The blocks of chunk `chunk` of stage `stage`: piece `virtual_stage(stage, chunk, pp, style)` of `bounds`
+    (pp * virtual equal pieces by default)."""
+    bounds = bounds or uniform_pieces(n_layers, pp * virtual)
+    return bounds[virtual_stage(stage, chunk, pp, style)]
+
+
+def split_stage(model: nn.Module, pp: int, stage: int, virtual: int = 1, style: str = "loop",
+                bounds: list[range] | None = None) -> None:
     """Keep stage `stage` of `pp` (its `virtual` chunks) of a (meta-device) `TransformerLM` in place; the rest
-    becomes `Dropped` (which still draws every dropped weight, in order, at initialisation)."""
-    keep = set(stage_layers(model.cfg.n_layers, pp, stage, virtual))
+    becomes `Dropped` (which still draws every dropped weight, in order, at initialisation). The stage holding
+    the first virtual stage keeps the embedding, the one holding the last the final norm and the head."""
+    n = model.cfg.n_layers
+    keep = set(stage_layers(n, pp, stage, virtual, style, bounds))
     for i, block in enumerate(model.blocks):
         if i not in keep:
             model.blocks[i] = Dropped.like(block)
-    # the first virtual stage (chunk 0 of stage 0) embeds, the last (chunk virtual-1 of stage pp-1) has the head
-    if stage != 0:
+    if stage != stage_of(0, pp, style):
         model.token_embeddings = Dropped.like(model.token_embeddings)
-    if stage != pp - 1:
+    if stage != stage_of(pp * virtual - 1, pp, style):
         model.final_norm = Dropped.like(model.final_norm)
         model.lm_head = Dropped.like(model.lm_head)
 
@@ -95,11 +195,31 @@ def in_flight(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> in
     return min(pp, microbatches)
 
 
+def held_micro_batches(schedule: str, pp: int, microbatches: int, virtual: int = 1, stage: int = 0) -> float:
+    """Micro-batches whose saved activations stage `stage` holds at its peak, in whole-stage units: GPipe all m;
+    1F1B p - r; ZB-H1 p (1F1B's p - r plus r deferred weight-gradient parts); interleaved 1F1B its warm-up of
+    2(p-1-r) + (v-1)p chunk forwards plus one, each 1/v of the stage; torch's zero-bubble and V schedules at most
+    p (an estimate)."""
+    s, m, r = schedule.lower(), microbatches, stage
+    if "gpipe" in s:
+        return float(m)
+    if "interleaved" in s and "zerobubble" not in s:
+        return min(2 * (pp - 1 - r) + (virtual - 1) * pp + 1, m * virtual) / virtual
+    if "1f1b" in s:
+        return float(min(pp - r, m))
+    return float(min(pp, m))
+
+
 def bubble_fraction(pp: int, microbatches: int, schedule: str = "1f1b", virtual: int = 1) -> float:
     """The idle share of a step with equal-cost stages. GPipe and 1F1B: (p-1)/(m+p-1). Interleaved 1F1B
     (Megatron): the bubble shrinks by v, (p-1)/(v*m + p-1). ZB-H1 with equal forward, input-gradient and
-    weight-gradient costs: each stage's p-1 bubble slots of F+B+W shrink to one part each, (p-1)/(3m + p-1)."""
+    weight-gradient costs: each stage's p-1 bubble slots of F+B+W shrink to one part each, (p-1)/(3m + p-1).
+    torch's interleaved zero-bubble, ZBV and DualPipeV schedules (v chunks, 2 for the V-shaped ones): both
+    reductions, (p-1)/(3vm + p-1), an upper bound (the ideal ZB-V with equal parts has none)."""
     s = schedule.lower()
+    if "zerobubble" in s or "dualpipe" in s:
+        v = 2 if ("zbv" in s or "dualpipe" in s) else virtual
+        return (pp - 1) / (3 * v * microbatches + pp - 1)
     if "interleaved" in s:
         return (pp - 1) / (virtual * microbatches + pp - 1)
     if "zb" in s:
@@ -162,15 +282,29 @@ class PipelineParallel:
     # tensor_parallel plugins whose stages exchange plain tensors (DTensor plans pass DTensors between blocks)
     composes_with_tp = ("megatron",)
     records_timeline = False  # whether forward_backward fills `timeline`
+    counts_p2p = False  # whether the plugin counts the bytes it sends and receives
 
-    def __init__(self, schedule: str, microbatches: int = 4, virtual_stages: int = 1) -> None:
+    def __init__(self, schedule: str, microbatches: int = 4, virtual_stages: int = 1,
+                 balance: str = "uniform") -> None:
         self.schedule = str(schedule)
         self.microbatches = microbatches
         self.virtual = virtual_stages  # model chunks per stage (interleaved 1F1B); 1 otherwise
+        self.balance = str(balance)  # uniform: equal block counts; cost: the planner's per-layer cost
+        self.seq_len: int | None = None  # the run's sequence length (validate reads it), for the per-layer cost
         self.active = False
         self.measuring = False
         self.timeline: list[tuple[str, int, float, float]] = []  # (op, micro-batch, start s, end s) of the step
         self.step_seconds = 0.0
+        self.step_begin = 0.0  # time.perf_counter() at the step's start: one clock for every rank of a host
+        self.p2p_bytes = 0  # bytes this rank has sent and received since the training step began
+        self.step_p2p_bytes = 0  # ... in the last training step (evaluation's forward-only passes not counted)
+        self.activation_peak = 0  # bytes saved for backward alive at once, the last measured step
+        self.activation_peak_run = 0  # the most of any measured step
+
+    @property
+    def style(self) -> str:
+        """How chunks map to virtual stages (`virtual_stage`): "loop" unless a V-shaped schedule runs."""
+        return "loop"
 
     def describe(self) -> str:
         return f"{self.name}:{self.schedule}x{self.microbatches}" if self.active else "none"
@@ -187,18 +321,24 @@ class PipelineParallel:
         v = self.virtual
         require(isinstance(v, int) and v >= 1, "pipeline.virtual_stages", f"must be a positive integer, got {v!r}",
                 "set pipeline.virtual_stages=1 (or more with pipeline.schedule=interleaved_1f1b)")
-        require(v == 1 or self.schedule == "interleaved_1f1b", "pipeline.virtual_stages",
-                f"{v} chunks per stage need the interleaved schedule, not {self.schedule}",
-                "set pipeline.schedule=interleaved_1f1b (pipeline=ours) or pipeline.virtual_stages=1")
+        self._validate_virtual(v)
+        require(self.balance in ("uniform", "cost"), "pipeline.balance", f"unknown balance {self.balance!r}",
+                "use pipeline.balance=uniform (equal block counts) or cost (the planner's per-layer cost)")
+        self.seq_len = int(OmegaConf.select(cfg, "data.seq_len", default=None) or model_cfg.context_length)
         pp = mesh.pp
         if pp == 1:
             return
-        require(model_cfg.n_layers % pp == 0, "mesh.pp",
-                f"pp={pp} stages do not split model.n_layers={model_cfg.n_layers} blocks evenly",
-                "choose mesh.pp dividing model.n_layers")
-        require(model_cfg.n_layers % (pp * v) == 0, "pipeline.virtual_stages",
-                f"pp={pp} x virtual_stages={v} chunks do not split model.n_layers={model_cfg.n_layers} blocks evenly",
-                "choose pipeline.virtual_stages with mesh.pp * virtual_stages dividing model.n_layers")
+        if self.balance == "uniform":
+            require(model_cfg.n_layers % pp == 0, "mesh.pp",
+                    f"pp={pp} stages do not split model.n_layers={model_cfg.n_layers} blocks evenly",
+                    "choose mesh.pp dividing model.n_layers, or pipeline.balance=cost")
+            require(model_cfg.n_layers % (pp * v) == 0, "pipeline.virtual_stages",
+                    f"pp={pp} x virtual_stages={v} chunks do not split model.n_layers={model_cfg.n_layers} blocks "
+                    "evenly", "choose pipeline.virtual_stages with mesh.pp * virtual_stages dividing "
+                    "model.n_layers, or pipeline.balance=cost")
+        require(model_cfg.n_layers >= pp * v, "mesh.pp",
+                f"pp={pp} x virtual_stages={v} pieces need at least as many blocks, model.n_layers="
+                f"{model_cfg.n_layers}", "choose mesh.pp * pipeline.virtual_stages <= model.n_layers")
         # Megatron's interleaved order walks the micro-batches in groups of pp (one per stage)
         require(self.schedule != "interleaved_1f1b" or m % pp == 0, "pipeline.microbatches",
                 f"interleaved 1F1B needs a multiple of pp={pp} micro-batches, got {m}",
@@ -244,16 +384,39 @@ class PipelineParallel:
         self.mesh, self.pp = mesh, mesh.pp
         self.group = mesh.group("pp")
         self.stage = mesh.submesh("pp").get_local_rank()
-        self.is_first, self.is_last = self.stage == 0, self.stage == self.pp - 1
-        split_stage(model, self.pp, self.stage, self.virtual)
         self.n_layers = model.cfg.n_layers
+        self.bounds = self.piece_bounds(model.cfg, self.pp)
+        # chunk c of this stage runs blocks chunks[c] (virtual stage virtual_stage(stage, c))
+        self.chunks = [self.bounds[virtual_stage(self.stage, c, self.pp, self.style)] for c in range(self.virtual)]
+        self.is_first = self.stage == stage_of(0, self.pp, self.style)
+        self.is_last = self.stage == stage_of(self.pp * self.virtual - 1, self.pp, self.style)
+        split_stage(model, self.pp, self.stage, self.virtual, self.style, self.bounds)
         if tensor_parallel is not None and tensor_parallel.active and getattr(tensor_parallel, "sequence_parallel", False):
             model.hidden_seq_parts = mesh.tp  # stages pass sequence shards
         self.d_model = model.cfg.d_model
         # the neighbours wrap around: under interleaving the last stage's chunk c feeds the first stage's chunk c+1
         self.prev = dist.get_global_rank(self.group, (self.stage - 1) % self.pp)
         self.next = dist.get_global_rank(self.group, (self.stage + 1) % self.pp)
-        self.last_rank = dist.get_global_rank(self.group, self.pp - 1)
+        self.last_rank = dist.get_global_rank(self.group, stage_of(self.pp * self.virtual - 1, self.pp, self.style))
+
+    def _validate_virtual(self, v: int) -> None:
+        """Refuse chunks per stage the schedule cannot run (ours: only interleaved 1F1B runs several)."""
+        require(v == 1 or self.schedule == "interleaved_1f1b", "pipeline.virtual_stages",
+                f"{v} chunks per stage need the interleaved schedule, not {self.schedule}",
+                "set pipeline.schedule=interleaved_1f1b (pipeline=ours) or pipeline.virtual_stages=1")
+
+    def piece_bounds(self, model_cfg, pp: int) -> list[range]:
+        """The blocks of each of the pp * virtual_stages virtual stages, in model order: equal counts, or (balance
+        cost) the split whose costliest piece is cheapest under `layer_costs`."""
+        pieces = pp * self.virtual
+        if self.balance != "cost":
+            return uniform_pieces(model_cfg.n_layers, pieces)
+        return balanced_pieces(layer_costs(model_cfg, self.seq_len or model_cfg.context_length), pieces)
+
+    def _peer(self, chunk: int, step: int) -> int:
+        """The global rank running the virtual stage `step` (+1 / -1) away from this stage's chunk."""
+        s = virtual_stage(self.stage, chunk, self.pp, self.style) + step
+        return dist.get_global_rank(self.group, stage_of(s, self.pp, self.style))
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def can_checkpoint(self, strategy_name: str) -> bool:
@@ -287,27 +450,29 @@ class PipelineParallel:
     # ---- chunks (virtual stages) -----------------------------------------------------------------------------
     def _first_chunk(self, chunk: int) -> bool:
         """Whether this stage's chunk is the first virtual stage (takes the tokens)."""
-        return self.is_first and chunk == 0
+        return self.chunks[chunk].start == 0
 
     def _last_chunk(self, chunk: int) -> bool:
         """Whether this stage's chunk is the last virtual stage (computes the loss)."""
-        return self.is_last and chunk == self.virtual - 1
+        return self.chunks[chunk].stop == self.n_layers
 
     def _run_chunk(self, run, h: Tensor, chunk: int) -> Tensor:
         """This stage's forward of one chunk (the whole stage without interleaving)."""
         if self.virtual == 1:
             return run.model(h)
-        return run.model(h, layers=chunk_layers(self.n_layers, self.pp, self.stage, self.virtual, chunk))
+        return run.model(h, layers=self.chunks[chunk])
 
     # ---- point to point --------------------------------------------------------------------------------
     def _recv(self, peer: int, shape: tuple[int, ...], device: torch.device) -> Tensor:
         buf = torch.empty(shape, dtype=torch.float32, device=device)  # the residual stream stays float32
         for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, peer, self.group)]):
             work.wait()
+        self.p2p_bytes += buf.numel() * buf.element_size()
         return buf
 
     def _send(self, tensor: Tensor, peer: int) -> None:
         tensor = tensor.detach().float().contiguous()
+        self.p2p_bytes += tensor.numel() * tensor.element_size()
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer, self.group)])
         self._pending += [(w, tensor) for w in works]  # the tensor must live until its send completes
 
@@ -328,14 +493,14 @@ class PipelineParallel:
         self._pending = []
         shape = self.hidden_shape(run, x.shape[0], x.shape[1])
         total = torch.zeros((), device=run.device)
-        for c in range(self.virtual):  # a micro-batch passes every stage once per chunk
-            h = x if self._first_chunk(c) else self._recv(self.prev, shape, run.device)
+        for c in range(self.virtual):  # a micro-batch passes every stage once per chunk, in virtual-stage order
+            h = x if self._first_chunk(c) else self._recv(self._peer(c, -1), shape, run.device)
             with run.tensor_parallel.loss_context(), run.precision.autocast():
                 out = self._run_chunk(run, h, c)
                 if self._last_chunk(c):
                     total = run.tensor_parallel.loss(out, y)
             if not self._last_chunk(c):
-                self._send(out, self.next)
+                self._send(out, self._peer(c, +1))
         self._wait_sends()
         return self._broadcast_loss(total)
 
@@ -353,20 +518,56 @@ class PipelineParallel:
             run.synchronize()
         return time.perf_counter()
 
+    def saved_activations(self, run) -> "SavedActivations":
+        """A counter of this step's saved activations (its `hooks()` wrap the schedule); parameters left out."""
+        return SavedActivations({p.untyped_storage().data_ptr() for p in run.raw_model.parameters()})
+
+    def _record_activations(self, counter: "SavedActivations") -> None:
+        self.activation_peak = counter.peak
+        self.activation_peak_run = max(self.activation_peak_run, counter.peak)
+
     def step_metrics(self) -> dict[str, float]:
-        """The measured bubble of the last step on this rank: 1 - (time in forwards and backwards) / step time."""
-        if not (self.active and self.measuring and self.timeline and self.step_seconds > 0):
+        """The last measured step on this rank: its bubble, 1 - (time in forwards and backwards) / step time
+        (plugins that record a timeline), the peak bytes saved for backward at once (MiB) and the point-to-point
+        MiB sent and received (plugins that count them)."""
+        if not (self.active and self.measuring):
             return {}
-        busy = sum(end - start for _, _, start, end in self.timeline)
-        return {"pp_bubble_fraction": max(0.0, 1.0 - busy / self.step_seconds)}
+        out = {"pp_activation_peak_mib": self.activation_peak / 2**20}
+        if self.counts_p2p:
+            out["pp_p2p_mib"] = self.step_p2p_bytes / 2**20
+        if self.timeline and self.step_seconds > 0:
+            busy = sum(end - start for _, _, start, end in self.timeline)
+            out["pp_bubble_fraction"] = max(0.0, 1.0 - busy / self.step_seconds)
+        return out
+
+    def run_summary(self, mesh: ParallelMesh) -> dict[str, Any]:
+        """For the run's summary, gathered from every rank (collective over the world: every rank calls it): the
+        peak activation bytes of each rank (GiB, the most of any measured step) and their maximum, and the largest
+        point-to-point MiB of a step on any rank."""
+        if not self.active:
+            return {}
+        mine = [self.activation_peak_run / 2**30, self.step_p2p_bytes / 2**20]
+        every: list[Any] = [None] * mesh.world_size
+        dist.all_gather_object(every, mine)
+        out: dict[str, Any] = {"pp_activation_gib_per_rank": [e[0] for e in every],
+                               "pp_activation_gib": max(e[0] for e in every)}
+        if self.counts_p2p:
+            out["pp_p2p_mib"] = max(e[1] for e in every)
+        return out
 
     def save_timeline(self, run) -> Path | None:
-        """Every rank's timeline of the last step, written by rank 0 to `pipeline_timeline.json` in the run
-        directory (and `pipeline_timeline.png`, one row per rank, where matplotlib is installed). Collective over
-        the whole world: every rank calls it. Returns the JSON's path on rank 0."""
-        if not (self.active and self.records_timeline):
+        """At the end of a run: every rank's peak activation bytes and point-to-point bytes (`run_summary`) join
+        the run's summary (through `run.memory_marks`, which it carries), and every rank's timeline of the last
+        step is written by rank 0 to `pipeline_timeline.json` in the run directory (with `t0`, the step's start on
+        the host's monotonic clock, which every rank of one host shares) and `pipeline_timeline.png` (one row per
+        rank, where matplotlib is installed). Collective over the whole world: every rank calls it. Returns the
+        JSON's path on rank 0."""
+        if not self.active:
             return None
-        mine = {"rank": run.mesh.rank, "stage": self.stage, "step_s": self.step_seconds,
+        run.memory_marks.update(self.run_summary(run.mesh))
+        if not self.records_timeline:
+            return None
+        mine = {"rank": run.mesh.rank, "stage": self.stage, "step_s": self.step_seconds, "t0": self.step_begin,
                 "events": [list(e) for e in self.timeline]}
         every: list[Any] = [None] * run.mesh.world_size
         dist.all_gather_object(every, mine)
@@ -382,17 +583,81 @@ class PipelineParallel:
         return path
 
     def collectives(self, mesh: ParallelMesh, model_cfg, micro_batch: int, seq_len: int) -> list:
-        """The point-to-point traffic of one optimizer step on a middle stage (`CollectiveSpec`s over pp): each
-        micro-batch's activation goes forward and its gradient backward across every stage boundary; float32."""
+        """The point-to-point traffic of one optimizer step on the busiest stage (`CollectiveSpec`s over pp),
+        counted as bytes it sends plus bytes it receives: each micro-batch's activation enters every virtual stage
+        but the first and leaves every one but the last, its gradient the other way; float32."""
         if mesh.pp == 1:
             return []
         from core.distributed.strategy import CollectiveSpec
 
-        m = self.microbatches
-        rows = micro_batch // m
-        nbytes = rows * seq_len * model_cfg.d_model * 4
-        return [CollectiveSpec("send_recv", "activations", 2 * m * nbytes, 2 * m, ("pp",)),
-                CollectiveSpec("send_recv", "activation gradients", 2 * m * nbytes, 2 * m, ("pp",))]
+        m, pp, v = self.microbatches, mesh.pp, self.virtual
+        nbytes = micro_batch // m * seq_len * model_cfg.d_model * 4
+        last = pp * v - 1
+        # messages per micro-batch and direction on stage r: its chunks' inputs received plus outputs sent
+        moves = max(sum((s > 0) + (s < last) for s in (virtual_stage(r, c, pp, self.style) for c in range(v)))
+                    for r in range(pp))
+        return [CollectiveSpec("send_recv", "activations", moves * m * nbytes, moves * m, ("pp",)),
+                CollectiveSpec("send_recv", "activation gradients", moves * m * nbytes, moves * m, ("pp",))]
+
+
+class _Saved:
+    """One tensor autograd saved for backward: alive exactly as long as its slot in the graph."""
+
+    __slots__ = ("counter", "key", "tensor")
+
+    def __init__(self, counter: "SavedActivations", key: int, tensor: Tensor) -> None:
+        self.counter, self.key, self.tensor = counter, key, tensor
+
+    def __del__(self) -> None:
+        self.counter._release(self.key)
+
+
+class SavedActivations:
+    """Counts the bytes of the tensors autograd saves for backward that are alive at once, and their peak.
+
+    Within `hooks()` (`torch.autograd.graph.saved_tensors_hooks`) every saved tensor is packed into a `_Saved`
+    holder, which the graph keeps until the backward that uses it has freed it, so the count follows the
+    micro-batches in flight exactly (on any device, whatever the allocator caches). A storage counts once
+    however many slots hold it (the whole storage: a saved view keeps all of it alive); storages of
+    `exclude` (the parameters, which matmuls save too) are not activations and are not counted."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude = exclude
+        self.refs: dict[int, list[int]] = {}  # storage pointer -> [slots holding it, its bytes]
+        self.live = 0
+        self.peak = 0
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: Tensor) -> Any:
+        if t.device.type == "meta":
+            return t
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.exclude or storage.nbytes() == 0:
+            return t
+        ref = self.refs.get(key)
+        if ref is None:
+            self.refs[key] = [1, storage.nbytes()]
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        else:
+            ref[0] += 1
+        return _Saved(self, key, t)
+
+    @staticmethod
+    def _unpack(packed: Any) -> Tensor:
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def _release(self, key: int) -> None:
+        ref = self.refs.get(key)
+        if ref is None:
+            return
+        ref[0] -= 1
+        if ref[0] == 0:
+            self.live -= ref[1]
+            del self.refs[key]
 
 
 def _plot_timeline(ranks: list[dict], title: str, path: Path) -> None:
@@ -436,8 +701,18 @@ class OurPipeline(PipelineParallel):
     name = "ours"
     schedules = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
     records_timeline = True
+    counts_p2p = True
 
     def forward_backward(self, run, step: int) -> Tensor:
+        if not self.measuring:
+            return self._forward_backward(run, step)
+        counter = self.saved_activations(run)
+        with counter.hooks():
+            loss = self._forward_backward(run, step)
+        self._record_activations(counter)
+        return loss
+
+    def _forward_backward(self, run, step: int) -> Tensor:
         x, y = run.micro_batch("train", step, 0)
         m = self.microbatches
         xs, ys = x.chunk(m), y.chunk(m)
@@ -450,15 +725,15 @@ class OurPipeline(PipelineParallel):
         outputs: dict[tuple[int, int], Tensor] = {}
         out_grads: dict[tuple[int, int], Tensor | None] = {}  # zb_h1: B's output gradient, kept for W
         total = torch.zeros((), device=run.device)
-        self._pending, self.timeline = [], []
-        begin = self._stamp(run)
+        self._pending, self.timeline, self.p2p_bytes = [], [], 0
+        begin = self.step_begin = self._stamp(run)
         for n, (op, i) in enumerate(ops):
             kind, c = op[0], int(op[1:] or 0)
             key, first, last = (i, c), self._first_chunk(c), self._last_chunk(c)
             # gradients are synchronised over dp by the last backward only (all earlier ones accumulate)
             sync = n == len(ops) - 1
             if kind == "F":
-                h = xs[i] if first else self._recv(self.prev, shape, run.device).requires_grad_()
+                h = xs[i] if first else self._recv(self._peer(c, -1), shape, run.device).requires_grad_()
                 start = self._stamp(run)
                 with run.strategy.gradient_sync(False), run.tensor_parallel.loss_context():
                     with run.precision.autocast():
@@ -468,9 +743,9 @@ class OurPipeline(PipelineParallel):
                         total += out.detach()
                 inputs[key], outputs[key] = h, out
                 if not last:
-                    self._send(out, self.next)
+                    self._send(out, self._peer(c, +1))
             elif kind == "B":
-                grad = None if last else self._recv(self.next, shape, run.device)
+                grad = None if last else self._recv(self._peer(c, +1), shape, run.device)
                 start = self._stamp(run)
                 with run.strategy.gradient_sync(sync), run.tensor_parallel.loss_context():
                     if split:
@@ -485,7 +760,7 @@ class OurPipeline(PipelineParallel):
                             torch.autograd.backward(outputs.pop(key), grad)
                         h_grad = inputs.pop(key).grad
                 if not first:
-                    self._send(h_grad, self.prev)
+                    self._send(h_grad, self._peer(c, -1))
             else:  # "W": the deferred weight gradients of micro-batch i, into .grad; frees its graph
                 start = self._stamp(run)
                 with run.strategy.gradient_sync(sync), run.tensor_parallel.loss_context():
@@ -494,6 +769,7 @@ class OurPipeline(PipelineParallel):
             self.timeline.append((op, i, start - begin, self._stamp(run) - begin))
         self._wait_sends()
         self.step_seconds = self._stamp(run) - begin
+        self.step_p2p_bytes = self.p2p_bytes
         run.strategy.finish_gradient_synchronization()
         run.tensor_parallel.finish_gradients(run.raw_model)
         return self._broadcast_loss(total)
