@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.dist_utils import run_ranks
 from tests.test_pipeline_parallel import COMMON, _reference
 
@@ -70,6 +72,7 @@ def test_dp2_pp2_sharded_and_torch_ddp_match_one_process(tmp_path):
     run_ranks(_compare_worker, world_size=4, timeout_s=240, args=({**DP2_PP2, **FSDP}, extra, ref, str(tmp_path)))
 
 
+@pytest.mark.slow  # 8 ranks on 2 cores
 def test_3d_fsdp_tp2_pp2_matches_one_process(tmp_path):
     """The README's 3D example: our fsdp over dp_shard=2, our tensor parallelism tp=2, pp=2 (8 ranks)."""
     ref = _reference(tmp_path, 8)
