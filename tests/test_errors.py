@@ -24,6 +24,8 @@ def _token_file(path, ids, dtype=np.uint16):
      "train.grad_accum_steps"),
     ("unknown peak FLOPS requested explicitly", ["metrics.peak_tflops=h999"], "metrics.peak_tflops"),
     ("unknown SDPA backend", ["attention_impl.backend=fastest"], "attention_impl.backend"),
+    ("unknown flash_triton backward variant", ["attention_impl=flash_triton", "attention_impl.config.backward=bogus"],
+     "attention_impl.config.backward"),
 ])
 def test_bad_input_is_one_clear_line(case, overrides, key, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
