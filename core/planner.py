@@ -445,6 +445,8 @@ class Job:
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens: the LM head + loss in chunks of this many tokens (0: off)
     tensor_parallel: Any = None  # core.distributed.tensor_parallel.TensorParallel: how mesh.tp splits the model
     context_parallel: Any = None  # core.distributed.context_parallel.ContextParallel under mesh.cp > 1
+    expert_parallel: Any = None  # core.distributed.expert_parallel.ExpertParallel under mesh.ep > 1
+    dense_layout: Optional[ModelLayout] = None  # under ep: `layout` without the routed experts (the strategy's part)
     pipeline: Any = None       # core.distributed.pipeline.PipelineParallel under mesh.pp > 1 (micro_batch, grad_accum:
                                # its micro-batches' rows and count)
 
@@ -474,7 +476,12 @@ class Job:
     @property
     def linear_numel(self) -> int:
         # autocast casts a MoE's 3-D expert weights for its matmuls like the Linears' (per expert slice)
-        return sum(self.layout.linear_weights) + expert_numel(self.model) * self.layout.n_blocks
+        return sum(self.layout.linear_weights) + self.local_expert_numel
+
+    @property
+    def local_expert_numel(self) -> int:
+        """This rank's routed-expert parameters, all blocks (n_experts / ep of each layer's under ep)."""
+        return expert_numel(self.model) * self.layout.n_blocks // self.mesh.ep
 
     @property
     def block_linear_numel(self) -> int:
@@ -508,15 +515,20 @@ def read_job(cfg: DictConfig) -> Job:
                 f"choose pipeline.microbatches dividing {micro}")
         micro //= accum
     job = Job(model=m, mesh=mesh, strategy=_strategy(cfg),
-              layout=model_layout(m, mesh.pp if pipeline else 1, pipeline).split_over_tp(mesh.tp), global_batch=gbs,
-              micro_batch=micro, seq_len=seq, grad_accum=accum, precision=prec,
-              compute_dtype=prec if prec in ("bf16", "fp16") else ("tf32" if tf32 else "fp32"),
-              checkpointed_blocks=checkpointed_count(m.n_layers, every),
-              compiled=bool(OmegaConf.select(cfg, "compile", default=False)), tensor_parallel=tensor_parallel,
-              pipeline=pipeline,
-              loss_chunk_tokens=int(OmegaConf.select(cfg, "train.loss_chunk_tokens", default=0) or 0))
+               layout=model_layout(m, mesh.pp if pipeline else 1, pipeline).split_over_tp(mesh.tp), global_batch=gbs,
+               micro_batch=micro, seq_len=seq, grad_accum=accum, precision=prec,
+               compute_dtype=prec if prec in ("bf16", "fp16") else ("tf32" if tf32 else "fp32"),
+               checkpointed_blocks=checkpointed_count(m.n_layers, every),
+               compiled=bool(OmegaConf.select(cfg, "compile", default=False)), tensor_parallel=tensor_parallel,
+               pipeline=pipeline,
+               loss_chunk_tokens=int(OmegaConf.select(cfg, "train.loss_chunk_tokens", default=0) or 0))
     if mesh.cp > 1 and "context_parallel" in cfg:
         job.context_parallel = instantiate(cfg.context_parallel)
+    if mesh.ep > 1 and m.n_experts and "expert_parallel" in cfg:  # each rank holds n_experts / ep experts per layer
+        from core.distributed.expert_parallel import expert_layouts
+
+        job.expert_parallel = instantiate(cfg.expert_parallel)
+        job.layout, job.dense_layout = expert_layouts(m, mesh.ep)
     return job
 
 
@@ -540,6 +552,9 @@ def predict_memory(job: Job, prof: StrategyProfile, cfg: DictConfig) -> MemoryPr
     params_b = 4 * _per_rank(N, prof.shard_degree(job.mesh, "params"))
     grads_b = 4 * _per_rank(N, prof.shard_degree(job.mesh, "grads"))
     opt_local = _per_rank(N, prof.shard_degree(job.mesh, "optimizer"))
+    if job.dense_layout is not None and prof.shard_degree(job.mesh, "optimizer") > 1:  # ZeRO-1 under ep: a rank
+        opt_local = _per_rank(job.dense_layout.numel, prof.shard_degree(job.mesh, "optimizer")) + N \
+            - job.dense_layout.numel  # steps its own experts whole
     opt_b = st_bytes * opt_local
     every = int(OmegaConf.select(cfg, "activation_checkpointing", default=0) or 0)
     tp, sp = job.mesh.tp, job.sequence_parallel
@@ -634,7 +649,8 @@ def predict_communication(job: Job, prof: StrategyProfile, spec: Optional[Device
     colls = []
     p2p = [] if job.pipeline is None else job.pipeline.collectives(job.mesh, job.model, job.micro_batch * job.grad_accum,
                                                                     job.seq_len)
-    for c in list(prof.collectives) + tensor_parallel_collectives(job) + context_parallel_collectives(job) + p2p:
+    axes = tensor_parallel_collectives(job) + context_parallel_collectives(job) + expert_parallel_collectives(job)
+    for c in list(prof.collectives) + axes + p2p:
         ranks = axes_degree(job.mesh, c.axes)
         coll = Collective(c.name, c.what, c.bytes_per_step, c.calls, ranks, overlappable=c.overlappable,
                           axes=tuple(c.axes))
@@ -645,6 +661,15 @@ def predict_communication(job: Job, prof: StrategyProfile, spec: Optional[Device
                               spec.collective_latency_us) * c.calls
         colls.append(coll)
     return colls
+
+
+def expert_parallel_collectives(job: Job) -> list:
+    """The ep axis's all-to-alls (dispatch and combine, forward and backward) and the expert gradients' all-reduce
+    over the ranks holding the same experts, as the plugin describes them (dropless, even routing)."""
+    if job.expert_parallel is None:
+        return []
+    return job.expert_parallel.collectives(job.mesh, job.model, job.micro_batch, job.seq_len, 2 if job.autocast else 4,
+                                           job.grad_accum, job.checkpointed_blocks)
 
 
 def ring_attention_note(job: Job, colls: list[Collective], spec: Optional[DeviceSpec]) -> str:
@@ -757,7 +782,8 @@ def plan(cfg: DictConfig) -> Plan:
     """Predict memory, communication and step time for the composed config `cfg` (touches no GPU)."""
     job = read_job(cfg)
     m, mesh = job.model, job.mesh
-    prof = job.strategy.profile(mesh, job.layout, job.grad_accum)
+    # under ep the strategy broadcasts and reduces the dense parameters only (the plugin reduces the experts)
+    prof = job.strategy.profile(mesh, job.dense_layout or job.layout, job.grad_accum)
     notes: list[str] = []
     if type(job.strategy).profile is Strategy.profile and job.strategy.data_parallel and mesh.dp_size > 1:
         notes.append(f"strategy {job.strategy.name!r} does not describe itself (Strategy.profile): "
@@ -791,6 +817,12 @@ def plan(cfg: DictConfig) -> Plan:
         notes.append(f"pipeline: {mesh.pp} stages, {job.pipeline.schedule}, {job.grad_accum} micro-batches of "
                      f"{job.micro_batch} sequences: bubble {pipeline_bubble(job):.2f}; memory is the "
                      f"last stage's, activations of {_in_flight(job)} micro-batches in flight")
+    if job.expert_parallel is not None:
+        a2a = sum(c.bytes_per_step for c in colls if c.name == "all_to_all" and c.what != "expert counts")
+        notes.append(f"expert parallelism: ep={mesh.ep}, each rank holds {m.n_experts // mesh.ep} of {m.n_experts} "
+                     f"experts per layer; all-to-all {a2a / 2**20:.1f} MiB per rank per step (dispatch + combine, "
+                     "forward + backward, dropless; under even routing each rank computes top_k experts' FLOPs for "
+                     "as many copies as it routes)")
     if job.context_parallel is not None:
         notes.append(ring_attention_note(job, colls, spec))
     if job.autocast and prof.autocast_weight_copies:
