@@ -83,8 +83,8 @@ def test_3d_fsdp_tp2_pp2_matches_one_process(tmp_path):
 
 def test_pp2_checkpoint_resumes_on_pp2_and_on_one_process(tmp_path):
     """A pp2 run saves each stage's parameters and AdamW state under the whole model's names (DCP); resumed at
-    step 2 on pp2 it continues bit for bit, and on one process (resume_allow_changes=[mesh,world_size]) with the
-    uninterrupted run's next losses."""
+    step 2 on pp2 it continues bit for bit, and on one process and on tp2 without a pipeline
+    (resume_allow_changes=[mesh,world_size]) with the uninterrupted run's next losses."""
     from tests.utils import read_metrics, read_summary, run_train
 
     common = ["model=tiny", "model.n_layers=2", "data=synthetic", "data.seq_len=32", "train.batch_size=4",
@@ -100,7 +100,7 @@ def test_pp2_checkpoint_resumes_on_pp2_and_on_one_process(tmp_path):
     step2 = first / "checkpoints" / "step_000002"
     assert (step2 / "dcp").is_dir(), sorted(p.name for p in step2.iterdir())
     whole = losses(first)
-    for name, mesh in (("same", "mesh=dp1_pp2"), ("single", "mesh=single")):
+    for name, mesh in (("same", "mesh=dp1_pp2"), ("single", "mesh=single"), ("tp2", "mesh=dp1_tp2")):
         run_dir = tmp_path / name
         run_train(common + [mesh, f"resume={step2}", "resume_allow_changes=[mesh,world_size]"], run_dir, timeout=600)
         assert read_summary(run_dir)["status"] == "ok"
