@@ -585,19 +585,25 @@ class PipelineParallel:
     def collectives(self, mesh: ParallelMesh, model_cfg, micro_batch: int, seq_len: int) -> list:
         """The point-to-point traffic of one optimizer step on the busiest stage (`CollectiveSpec`s over pp),
         counted as bytes it sends plus bytes it receives: each micro-batch's activation enters every virtual stage
-        but the first and leaves every one but the last, its gradient the other way; float32."""
+        but the first and leaves every one but the last, its gradient the other way, unless the neighbouring virtual
+        stage runs on the same stage (the turn of a V); float32."""
         if mesh.pp == 1:
             return []
         from core.distributed.strategy import CollectiveSpec
 
         m, pp, v = self.microbatches, mesh.pp, self.virtual
         nbytes = micro_batch // m * seq_len * model_cfg.d_model * 4
-        last = pp * v - 1
-        # messages per micro-batch and direction on stage r: its chunks' inputs received plus outputs sent
-        moves = max(sum((s > 0) + (s < last) for s in (virtual_stage(r, c, pp, self.style) for c in range(v)))
-                    for r in range(pp))
-        return [CollectiveSpec("send_recv", "activations", moves * m * nbytes, moves * m, ("pp",)),
-                CollectiveSpec("send_recv", "activation gradients", moves * m * nbytes, moves * m, ("pp",))]
+        last, style = pp * v - 1, self.style
+
+        def moves(r: int) -> int:  # messages per micro-batch and direction on stage r: inputs in plus outputs out
+            ends = [virtual_stage(r, c, pp, style) for c in range(v)]
+            # a neighbour on the same stage (the turn of a V) is handed over in place
+            return sum((s > 0 and stage_of(s - 1, pp, style) != r) + (s < last and stage_of(s + 1, pp, style) != r)
+                       for s in ends)
+
+        busiest = max(moves(r) for r in range(pp))
+        return [CollectiveSpec("send_recv", "activations", busiest * m * nbytes, busiest * m, ("pp",)),
+                CollectiveSpec("send_recv", "activation gradients", busiest * m * nbytes, busiest * m, ("pp",))]
 
 
 class _Saved:

@@ -20,6 +20,8 @@ runs without data-parallel synchronisation; the strategy then reduces the accumu
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
 
@@ -84,6 +86,13 @@ class TorchPipeline(PipelineParallel):
     @property
     def style(self) -> str:
         return "v" if self.schedule in V_SHAPED else "loop"
+
+    @property
+    def counts_p2p(self) -> bool:  # type: ignore[override]
+        """Whether this torch's schedules send through `_batch_p2p`, which a measured step counts."""
+        import torch.distributed.pipelining.schedules as schedules
+
+        return hasattr(schedules, "_batch_p2p")
 
     def validate(self, mesh, model_cfg, cfg, strategy_name: str, tensor_parallel_name: str) -> None:
         if self.schedule in KNOWN and self.schedule not in self.schedules:
@@ -151,6 +160,28 @@ class TorchPipeline(PipelineParallel):
                              loss_fn=lambda out, y: run.tensor_parallel.loss(out, y) / self.microbatches,
                              scale_grads=False)
 
+    @contextlib.contextmanager
+    def _counting_p2p(self):
+        """Counts the bytes of every point-to-point op torch's schedules issue (measured steps only): its schedules
+        send and receive through the module function `_batch_p2p`, wrapped here for the step. A torch without it
+        is not counted (`counts_p2p`)."""
+        import torch.distributed.pipelining.schedules as schedules
+
+        plain = getattr(schedules, "_batch_p2p", None)
+        if plain is None:
+            yield
+            return
+
+        def counted(ops, *args, **kwargs):
+            self.p2p_bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+            return plain(ops, *args, **kwargs)
+
+        schedules._batch_p2p = counted
+        try:
+            yield
+        finally:
+            schedules._batch_p2p = plain
+
     def forward_backward(self, run, step: int) -> Tensor:
         x, y = run.micro_batch("train", step, 0)
         # the token rows are views into one (B, T + 1) draw; torch 2.11's stage checks every micro-batch's strides
@@ -163,14 +194,16 @@ class TorchPipeline(PipelineParallel):
         args = (x,) if self.is_first else ()
         kwargs = {"target": y, "losses": losses} if self.is_last else {}
         counter = self.saved_activations(run) if self.measuring else None
+        self.p2p_bytes = 0
         with run.strategy.gradient_sync(False), run.tensor_parallel.loss_context(), run.precision.autocast():
             if counter is None:
                 self._schedule.step(*args, **kwargs)
             else:
-                with counter.hooks():
+                with counter.hooks(), self._counting_p2p():
                     self._schedule.step(*args, **kwargs)
         if counter is not None:
             self._record_activations(counter)
+            self.step_p2p_bytes = self.p2p_bytes
         run.strategy.finish_gradient_synchronization()
         run.tensor_parallel.finish_gradients(run.raw_model)
         total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else \
