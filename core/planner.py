@@ -169,6 +169,9 @@ class Plan:
         tp = [c for c in self.collectives if "tp" in c.axes]
         if tp and self.time_ms:  # inline in the regions: all exposed
             d["tp_comm_ms"] = d["tp_exposed_comm_ms"] = sum(c.ms for c in tp)
+        ep = [c for c in self.collectives if {"ep", "edp"} & set(c.axes)]
+        if ep and self.time_ms:  # the MoE layers wait for their all-to-alls (planned as exposed), then the experts'
+            d["ep_comm_ms"] = d["ep_exposed_comm_ms"] = sum(c.ms for c in ep)  # all-reduce after backward
         return _finite(d)
 
     def check_fits(self, cfg: Optional[DictConfig] = None) -> None:

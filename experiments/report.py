@@ -27,10 +27,12 @@ from core.planner import relative_error
 # backward at once and the busiest rank's point-to-point MiB per step, each beside the planner's
 MEASURED = [("tokens_per_s", "tokens/s"), ("mfu", "MFU"), ("step_time_ms", "step ms"),
             ("peak_mem_gib", "peak GiB"), ("exposed_comm_ms", "exposed comm ms"),
-            ("tp_exposed_comm_ms", "of it tp ms"), ("pp_bubble_fraction", "pp bubble"),
+            ("tp_exposed_comm_ms", "of it tp ms"), ("ep_exposed_comm_ms", "of it ep ms"),
+            ("pp_bubble_fraction", "pp bubble"),
             ("pp_activation_gib", "pp activations GiB"), ("pp_p2p_mib", "pp P2P MiB"), ("final_loss", "final loss")]
 PREDICTED = [("tokens_per_s", "pred tokens/s"), ("step_time_ms", "pred step ms"), ("peak_mem_gib", "pred peak GiB"),
              ("exposed_comm_ms", "pred exposed comm ms"), ("tp_exposed_comm_ms", "pred tp ms"),
+             ("ep_exposed_comm_ms", "pred ep ms"),
              ("pp_bubble_fraction", "pred pp bubble"), ("pp_activation_gib", "pred pp activations GiB"),
              ("pp_p2p_mib", "pred pp P2P MiB")]
 
