@@ -394,9 +394,7 @@ class PipelineParallel:
         if tensor_parallel is not None and tensor_parallel.active and getattr(tensor_parallel, "sequence_parallel", False):
             model.hidden_seq_parts = mesh.tp  # stages pass sequence shards
         self.d_model = model.cfg.d_model
-        # the neighbours wrap around: under interleaving the last stage's chunk c feeds the first stage's chunk c+1
-        self.prev = dist.get_global_rank(self.group, (self.stage - 1) % self.pp)
-        self.next = dist.get_global_rank(self.group, (self.stage + 1) % self.pp)
+        # each chunk's neighbours are `_peer`'s; the loss is on the stage holding the last virtual stage
         self.last_rank = dist.get_global_rank(self.group, stage_of(self.pp * self.virtual - 1, self.pp, self.style))
 
     def _validate_virtual(self, v: int) -> None:
@@ -414,7 +412,8 @@ class PipelineParallel:
         return balanced_pieces(layer_costs(model_cfg, self.seq_len or model_cfg.context_length), pieces)
 
     def _peer(self, chunk: int, step: int) -> int:
-        """The global rank running the virtual stage `step` (+1 / -1) away from this stage's chunk."""
+        """The global rank running the virtual stage `step` (+1 / -1) away from this stage's chunk (under
+        interleaving the neighbours wrap around: the last stage's chunk c feeds the first stage's chunk c+1)."""
         s = virtual_stage(self.stage, chunk, self.pp, self.style) + step
         return dist.get_global_rank(self.group, stage_of(s, self.pp, self.style))
 
@@ -456,11 +455,23 @@ class PipelineParallel:
         """Whether this stage's chunk is the last virtual stage (computes the loss)."""
         return self.chunks[chunk].stop == self.n_layers
 
-    def _run_chunk(self, run, h: Tensor, chunk: int) -> Tensor:
-        """This stage's forward of one chunk (the whole stage without interleaving)."""
+    def _run_chunk(self, run, h: Tensor, chunk: int, targets: Tensor | None = None) -> Tensor:
+        """This stage's forward of one chunk (the whole stage without interleaving); with `targets` (the last chunk
+        under `train.loss_chunk_tokens`) the model's chunked head returns the loss instead of logits."""
+        kwargs = {} if targets is None else {"targets": targets}
         if self.virtual == 1:
-            return run.model(h)
-        return run.model(h, layers=self.chunks[chunk])
+            return run.model(h, **kwargs)
+        return run.model(h, layers=self.chunks[chunk], **kwargs)
+
+    def _last_chunk_loss(self, run, h: Tensor, chunk: int, y: Tensor) -> Tensor:
+        """The mean loss of micro-batch (h, y) through the last chunk: from the model's chunked head
+        (`train.loss_chunk_tokens`, core/loss.py: no logits), else the tensor-parallel plugin's loss of the logits."""
+        if run.raw_model.loss_chunk_tokens:
+            with run.precision.autocast():
+                return self._run_chunk(run, h, chunk, targets=y)
+        with run.precision.autocast():
+            out = self._run_chunk(run, h, chunk)
+        return run.tensor_parallel.loss(out, y)
 
     # ---- point to point --------------------------------------------------------------------------------
     def _recv(self, peer: int, shape: tuple[int, ...], device: torch.device) -> Tensor:
@@ -495,10 +506,12 @@ class PipelineParallel:
         total = torch.zeros((), device=run.device)
         for c in range(self.virtual):  # a micro-batch passes every stage once per chunk, in virtual-stage order
             h = x if self._first_chunk(c) else self._recv(self._peer(c, -1), shape, run.device)
-            with run.tensor_parallel.loss_context(), run.precision.autocast():
-                out = self._run_chunk(run, h, c)
+            with run.tensor_parallel.loss_context():
                 if self._last_chunk(c):
-                    total = run.tensor_parallel.loss(out, y)
+                    total = self._last_chunk_loss(run, h, c, y)
+                else:
+                    with run.precision.autocast():
+                        out = self._run_chunk(run, h, c)
             if not self._last_chunk(c):
                 self._send(out, self._peer(c, +1))
         self._wait_sends()
@@ -742,11 +755,12 @@ class OurPipeline(PipelineParallel):
                 h = xs[i] if first else self._recv(self._peer(c, -1), shape, run.device).requires_grad_()
                 start = self._stamp(run)
                 with run.strategy.gradient_sync(False), run.tensor_parallel.loss_context():
-                    with run.precision.autocast():
-                        out = self._run_chunk(run, h, c)
                     if last:
-                        out = run.tensor_parallel.loss(out, ys[i]) / m
+                        out = self._last_chunk_loss(run, h, c, ys[i]) / m
                         total += out.detach()
+                    else:
+                        with run.precision.autocast():
+                            out = self._run_chunk(run, h, c)
                 inputs[key], outputs[key] = h, out
                 if not last:
                     self._send(out, self._peer(c, +1))
