@@ -39,22 +39,55 @@ FSDP = {
 }
 
 
+def _count_fsdp_collectives() -> dict:
+    """Counts, per (FullyShardedDataParallel, unit index), the all-gathers launched and the reduce-scatters of the
+    runs that follow in this process: {"gather": {...}, "reduce": {...}}."""
+    from core.distributed import fsdp
+
+    counts: dict = {"gather": {}, "reduce": {}}
+    launch, reduce = fsdp.FullyShardedDataParallel._launch_gather, fsdp.FullyShardedDataParallel._launch_reduce_scatter
+
+    def counted_launch(self, units, for_backward=False):
+        before = {id(u): u.pending for u in units}
+        launch(self, units, for_backward)
+        for u in units:
+            if u.pending is not None and u.pending is not before[id(u)]:
+                key = (id(self), u.index)
+                counts["gather"][key] = counts["gather"].get(key, 0) + 1
+
+    def counted_reduce(self, unit, grad):
+        key = (id(self), unit.index)
+        counts["reduce"][key] = counts["reduce"].get(key, 0) + 1
+        reduce(self, unit, grad)
+
+    fsdp.FullyShardedDataParallel._launch_gather = counted_launch
+    fsdp.FullyShardedDataParallel._launch_reduce_scatter = counted_reduce
+    return counts
+
+
 def _compare_worker(rank: int, world: int, configs: dict, extra: list, ref_path: str, tmp: str) -> None:
     """Each configuration's losses and gradient norms against one process's; with whole parameters (not our
     fsdp's row shards) also this stage's initial weights and the synchronised gradients it keeps (ZeRO-1 drops
-    those of parameters another rank owns)."""
+    those of parameters another rank owns); under our fsdp, each weight gathered once and reduce-scattered once per
+    step, whatever the number of micro-batches."""
     import torch
 
-    from tests.test_pipeline_parallel import _part, _train
+    from tests.test_pipeline_parallel import STEPS, _part, _train
     from tests.utils import compose_cfg
 
     ref = torch.load(ref_path)
+    counts = _count_fsdp_collectives()
     for name, overrides in configs.items():
+        for c in counts.values():
+            c.clear()
         out = _train(compose_cfg(COMMON + extra + overrides, Path(tmp) / name))
         for key in ("losses", "norms"):
             for step, (a, b) in enumerate(zip(out[key], ref[key])):
                 assert abs(a - b) <= 1e-4 * abs(b), f"{name}: step {step + 1} {key[:-1]} {a} != one process's {b}"
         if "parallelism=fsdp" in overrides + extra:
+            assert counts["reduce"] and set(counts["reduce"].values()) == {STEPS}, f"{name}: {counts['reduce']}"
+            assert counts["gather"].keys() == counts["reduce"].keys() and set(counts["gather"].values()) == {STEPS}, \
+                f"{name}: all-gathers per weight {counts['gather']}"
             continue
         assert 0 < len(out["init"]) < len(ref["init"]), f"{name}: stage holds {len(out['init'])} parameters"
         assert out["grads"], f"{name}: no gradient kept"

@@ -198,6 +198,7 @@ class FullyShardedDataParallel(nn.Module):
         # reduced (`_held`), and full-size gradients accumulate (`_grad_acc`, reduce dtype) until the step's last
         # backward (`sync_grads`) or finish_gradient_synchronization reduce-scatters them once
         self.pipelined, self.sync_grads = False, True
+        self._holding = False  # this forward is a pipelined training one (read where grad mode is the caller's)
         self._held: dict[int, torch.Tensor] = {}
         self._grad_acc: dict[int, torch.Tensor] = {}
 
@@ -268,7 +269,7 @@ class FullyShardedDataParallel(nn.Module):
         buf, gather = unit.pending
         unit.pending = None
         gather.wait(self.timer)
-        if self.pipelined and torch.is_grad_enabled():  # a training forward: keep it for the step's other uses
+        if self._holding:  # a training forward's step: keep it for the step's other uses
             self._held[unit.index] = buf
         return buf
 
@@ -357,6 +358,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._pos = self._fwd_next = self._bwd_next = 0
+        # gathers run inside an autograd Function's forward, where grad mode is off: decide here
+        self._holding = self.pipelined and torch.is_grad_enabled()
         out = self.module(*args, **kwargs)
         if self._recording:
             if torch.is_grad_enabled():  # the order, and which weights backward needs, are known: stop recording
