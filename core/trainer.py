@@ -283,8 +283,8 @@ def build(cfg: DictConfig, mesh: ParallelMesh | None = None) -> Run:
     tokens = cfg.train.batch_size * data.seq_len
     flops = FlopCounter(per_token * tokens, (per_token + recompute) * tokens, peak, source, mesh.world_size)
     return Run(cfg, mesh, strategy, precision, model_cfg, wrapped, model, optimizer, schedule, data, flops,
-               run_dir, local_batch, attention.name, tensor_parallel, pipeline, marks, context_parallel,
-               expert_parallel=expert_parallel)
+               run_dir, local_batch, context_parallel.attention_name(attention.name), tensor_parallel, pipeline, marks,
+               context_parallel, expert_parallel=expert_parallel)
 
 
 def _build_loggers(cfg: DictConfig, is_main: bool) -> Logger:

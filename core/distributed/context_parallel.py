@@ -369,6 +369,10 @@ class ContextParallel:
     def describe(self) -> str:
         return f"{self.name}(cp={self.cp})" if self.active else "none"
 
+    def attention_name(self, inner: str) -> str:
+        """What the run's attention is called in its banner and summary: `ring[sdpa]` under cp > 1."""
+        return f"{self.name}[{inner}]" if self.active else inner
+
     def apply(self, model: nn.Module, mesh: ParallelMesh) -> None:
         self.active = mesh.cp > 1
 
