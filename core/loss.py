@@ -123,7 +123,7 @@ def chunked_linear_cross_entropy(h: Tensor, weight: Tensor, target: Tensor, chun
 
 
 # pipeline plugins whose last stage asks the model for the loss (`TransformerLM.forward(..., targets=...)`)
-PIPELINES: tuple[str, ...] = ()
+PIPELINES: tuple[str, ...] = ("ours",)
 
 
 def validate(chunk_tokens: Any, tensor_parallel_name: str, tp: int, pipeline_name: str, pp: int) -> int:

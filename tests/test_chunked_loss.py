@@ -182,7 +182,7 @@ def test_unsupported_settings_are_refused_in_one_line(value, tp_name, tp, pp_nam
     with pytest.raises(ConfigError, match="train.loss_chunk_tokens") as e:
         validate(value, tp_name, tp, pp_name, pp)
     assert words in str(e.value)
-    assert validate(512, "megatron", 2, "ours", 1) == 512 and validate(0, "dtensor", 2, "torch", 2) == 0
+    assert validate(512, "megatron", 2, "ours", 2) == 512 and validate(0, "dtensor", 2, "torch", 2) == 0
 
 
 def _tp_worker(rank: int, world: int, ref_path: str, tmp: str) -> None:
@@ -196,11 +196,16 @@ def _tp_worker(rank: int, world: int, ref_path: str, tmp: str) -> None:
     # saved-tensor hook like any Linear (the name's last part tells the worker to compare norms, not shards)
     _worker(rank, world, {"chunked_dp2_fsdp": ["parallelism=fsdp", "train.loss_chunk_tokens=24"]}, "dp2", ref_path,
             tmp)
+    # our pipeline's last stage asks the model for the loss; ZB-H1 runs its backward twice over one graph
+    _worker(rank, world, {"chunked 1f1b": ["train.loss_chunk_tokens=24"],
+                          "chunked zb_h1": ["pipeline.schedule=zb_h1", "train.loss_chunk_tokens=16"]}, "dp1_pp2",
+            ref_path, tmp)
 
 
-def test_vocab_parallel_chunked_loss_matches_one_process_plain_loss(tmp_path):
-    """tp2 (ours, with and without sequence parallelism) and our fsdp over dp2 with the chunked head: 3 steps'
-    losses, gradient norms and (tp2) each rank's gradients against one process with the plain head."""
+def test_chunked_loss_under_tp_fsdp_and_pipelines_matches_one_process_plain_loss(tmp_path):
+    """tp2 (ours, with and without sequence parallelism), our fsdp over dp2 and our pipeline over pp2 (1F1B, ZB-H1)
+    with the chunked head: 3 steps' losses, gradient norms and (but fsdp) each rank's gradients against one process
+    with the plain head."""
     from tests.test_tensor_parallel import _reference as tp_reference
 
     ref = tp_reference(tmp_path)
