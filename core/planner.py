@@ -172,6 +172,11 @@ class Plan:
         ep = [c for c in self.collectives if {"ep", "edp"} & set(c.axes)]
         if ep and self.time_ms:  # the MoE layers wait for their all-to-alls (planned as exposed), then the experts'
             d["ep_comm_ms"] = d["ep_exposed_comm_ms"] = sum(c.ms for c in ep)  # all-reduce after backward
+        cp = [c for c in self.collectives if "cp" in c.axes]
+        if cp:  # ring attention's sends per rank (overlapped with the blocks' attention: exposure in the notes)
+            d["cp_ring_mib"] = sum(c.bytes_per_step for c in cp) / 2**20
+            if self.time_ms:
+                d["cp_comm_ms"] = sum(c.ms for c in cp)
         return _finite(d)
 
     def check_fits(self, cfg: Optional[DictConfig] = None) -> None:
