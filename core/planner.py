@@ -700,10 +700,11 @@ def ring_attention_note(job: Job, colls: list[Collective], spec: Optional[Device
 
 
 def context_parallel_collectives(job: Job) -> list:
-    """The cp axis's ring-attention sends of one optimizer step per rank (the plugin describes them)."""
+    """The cp axis's ring-attention sends of one optimizer step per rank (the plugin describes them; under pipeline
+    parallelism, of one stage's blocks)."""
     if job.context_parallel is None:
         return []
-    return job.context_parallel.collectives(job.mesh, job.model, job.micro_batch, job.seq_len,
+    return job.context_parallel.collectives(job.mesh, job.stage_model, job.micro_batch, job.seq_len,
                                             2 if job.autocast else 4, job.grad_accum, job.checkpointed_blocks)
 
 
