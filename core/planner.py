@@ -656,7 +656,7 @@ def predict_communication(job: Job, prof: StrategyProfile, spec: Optional[Device
     bandwidths are known."""
     colls = []
     p2p = [] if job.pipeline is None else job.pipeline.collectives(job.mesh, job.model, job.micro_batch * job.grad_accum,
-                                                                    job.seq_len)
+                                                                    job.local_seq)  # under cp: stages pass seq/cp
     axes = tensor_parallel_collectives(job) + context_parallel_collectives(job) + expert_parallel_collectives(job)
     for c in list(prof.collectives) + axes + p2p:
         ranks = axes_degree(job.mesh, c.axes)
