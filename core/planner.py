@@ -629,7 +629,7 @@ def stage_activation_bytes(job: Job, stage: int) -> int:
     blocks = len(stage_layers(m.n_layers, p, stage, v, style, pipe.piece_bounds(m, p)))
     every = job.checkpointed_blocks and m.n_layers // max(job.checkpointed_blocks, 1)
     sm = dataclasses.replace(m, n_layers=blocks)
-    mb, seq = job.micro_batch, job.seq_len
+    mb, seq = job.micro_batch, job.local_seq  # a cp rank holds its seq/cp tokens
     one = activation_bytes(sm, mb, seq, job.autocast, checkpointed_count(blocks, every), job.mesh.tp,
                            job.sequence_parallel, job.loss_chunk_tokens)
     head = head_activation_bytes(m, mb, seq, job.autocast, job.loss_chunk_tokens)
