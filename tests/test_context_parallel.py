@@ -126,10 +126,9 @@ CP2 = {  # 2 ranks: mesh.cp=2 alone
     "flash_torch_zero1": ["parallelism=zero1", "attention_impl=flash_torch"],
 }
 CP2_X4 = {  # 4 ranks
-    "tp2_megatron_sp": ["mesh.tp=2", "parallelism=none"],
+    "tp2_megatron_sp_ddp": ["mesh.tp=2", "parallelism=ddp_bucketed"],  # DDP over dp x cp = 2 ranks, TP inside
     "dp2_fsdp": ["mesh.dp_shard=2", "parallelism=fsdp"],  # shards over dp_shard x cp = 4 ranks
     "pp2_1f1b": ["mesh.pp=2", "pipeline.schedule=1f1b", "pipeline.microbatches=2"],  # our pipeline: 2 stages x cp2
-    "pp2_gpipe_ddp": ["mesh.pp=2", "pipeline.schedule=gpipe", "parallelism=ddp_bucketed"],
 }
 
 
