@@ -69,7 +69,7 @@ def test_cpu_points_compare_no_memory(tmp_path: Path):
 def test_markdown_csv_and_plots(sweep: Path):
     out = report(sweep, quiet=True)
     md = out["markdown"].read_text()
-    first_table = md.split("## Prediction against measurement")[0]
+    first_table = md.split("## Ranking")[0]
     assert first_table.count("\n| ") == 4  # header + 3 points
     assert "| 1_mesh=dp2,parallelism=fsdp | ok | dp2 | fsdp |" in md
     assert "boom \\| with a pipe" in md
@@ -90,6 +90,22 @@ def test_prediction_errors_and_tolerance_counts(sweep: Path):
     assert "| 1_mesh=dp2,parallelism=fsdp | 100.00 / 130.00 | -23% | 6.00 / 6.50 | -8% |" in section
     assert "10_mesh=dp2" not in section  # failed points have no measurement to compare
     assert "Step time within 25%: 2 of 2 points. Peak memory within 10%: 2 of 2 points." in section
+
+
+def test_ranking_orders_points_by_measured_throughput_beside_the_planners_order(tmp_path: Path):
+    """Three points whose measured order (c, a, b) differs from the predicted one (a, c, b): the table lists them
+    fastest first with the planner's rank, and says the planner's best three are not in the measured order."""
+    points = (("0_mesh=a", 100.0, 300.0), ("1_mesh=b", 50.0, 100.0), ("2_mesh=c", 200.0, 200.0))
+    for name, measured, predicted in points:
+        _job(tmp_path, name, [f"mesh={name[-1]}"], status="ok", error=None, tokens_per_s=measured,
+             step_time_ms=1e5 / measured, plan={"tokens_per_s": predicted})
+    _job(tmp_path, "3_mesh=d", ["mesh=d"], status="failed", error="refused")
+    text = report(tmp_path, quiet=True)["markdown"].read_text()
+    section = text.split("## Ranking", 1)[1].split("##", 1)[0]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    ranked = [(r[0].strip("| "), r[1].split()[0], r[5]) for r in rows]
+    assert ranked == [("1", "c", "2"), ("2", "a", "1"), ("3", "b", "3")]
+    assert "best 3 in the measured order: no" in section and "| d" not in section
 
 
 def test_a_directory_without_points_keeps_its_report(tmp_path: Path):
