@@ -113,8 +113,8 @@ class MoEFeedForward(nn.Module):
             part = xs[start:start + c]
             start += c
             outs.append(F.linear(F.silu(F.linear(part, self.w1[e])) * F.linear(part, self.w3[e]), self.w2[e]))
-        if not outs:
-            return xs.new_zeros(0, self.w2.shape[1])
+        if not outs:  # no rows at all: the empty input itself (d_model wide, like the output), so that under expert
+            return xs[:0]  # parallelism this rank's backward still reaches, and joins, the all-to-alls
         return torch.cat(outs)
 
 

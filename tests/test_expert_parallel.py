@@ -120,15 +120,55 @@ def _check_case(rank: int, world: int, ep: int, capacity_factor, shared: bool, s
     del wrapped, strategy, plugin, model
 
 
-def _grads_ranks(rank: int, world: int, cases: list[tuple]) -> None:
+def _idle_rank_case(rank: int, world: int) -> None:
+    """Every token picks expert 0 (rank 0's): rank 1 receives no copy, yet must join the backward's all-to-alls (it
+    hung before); its experts' gradient is zero, rank 0's equals one process's over both ranks' tokens."""
+    from core.distributed.expert_parallel import ExpertParallel
+    from core.distributed.mesh import ParallelMesh
+    from core.moe import MoEFeedForward
+
+    def forced(moe: MoEFeedForward) -> None:
+        torch.manual_seed(0)
+        for p in moe.parameters():
+            torch.nn.init.normal_(p)
+        with torch.no_grad():
+            moe.router.weight[0], moe.router.weight[1] = 1.0, -1.0  # positive inputs all choose expert 0
+
+    mesh = ParallelMesh(dp_shard=world, ep=world, device="cpu").init()
+    full = MoEFeedForward(8, 16, world, 1)
+    forced(full)
+    holder = torch.nn.Module()
+    with torch.device("meta"):
+        holder.moe = MoEFeedForward(8, 16, world, 1)
+    plugin = ExpertParallel()
+    plugin.apply(holder, mesh)
+    holder.to_empty(device="cpu")
+    with torch.no_grad():
+        for p, q in zip(holder.moe.parameters(), full.parameters()):
+            p.copy_(q[holder.moe.expert_slice] if p.shape != q.shape else q)
+    xs = [torch.rand(5, 8, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    holder.moe(xs[rank]).sum().backward()
+    plugin.finish_gradients(holder)
+    for x in xs:  # one process: the ranks' tokens as accumulated micro-batches, averaged
+        (full(x).sum() / world).backward()
+    for p, q in zip(holder.moe.expert_parameters(), full.expert_parameters()):
+        torch.testing.assert_close(p.grad, q.grad[holder.moe.expert_slice], rtol=1e-5, atol=1e-6)
+    assert rank == 0 or all(float(p.grad.abs().sum()) == 0 for p in holder.moe.expert_parameters())
+    del plugin, holder
+
+
+def _grads_ranks(rank: int, world: int, cases: list[tuple], idle_rank: bool = False) -> None:
     for case in cases:
         _check_case(rank, world, *case)
+    if idle_rank:
+        _idle_rank_case(rank, world)
 
 
 def test_ep2_gradients_equal_one_process_slices_and_the_planner_counts_their_bytes(tmp_path):
-    # dropless with the shared expert (overlapped dispatch; its bytes counted), and a capacity that drops copies
+    # dropless with the shared expert (overlapped dispatch; its bytes counted), a capacity that drops copies, and a
+    # rank no copy reaches
     run_ranks(_grads_ranks, world_size=2, args=([(2, None, True, "ddp_bucketed", str(tmp_path)),
-                                                 (2, 1.0, False, "ddp_naive")],), timeout_s=60)
+                                                 (2, 1.0, False, "ddp_naive")], True), timeout_s=60)
     from core.planner import plan
 
     counted = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

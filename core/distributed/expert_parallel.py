@@ -118,6 +118,10 @@ class ExpertDispatcher:
     def exchange(self, x: Tensor, out_splits: list[int], in_splits: list[int],
                  during: Optional[Callable[[], Tensor]] = None) -> tuple[Tensor, Optional[Tensor]]:
         """All-to-all of the rows of `x` (autograd-aware), running `during()` while it is in flight."""
+        if torch.is_grad_enabled() and not x.requires_grad:
+            # every rank's backward must run the reverse all-to-all, whether or not its own rows need a gradient
+            # (a rank no copy reached has nothing to differentiate, but its peers wait for it)
+            x = x.detach().requires_grad_()
         pending = _Pending(self, out_splits, in_splits)
         buf = _AllToAllStart.apply(x, pending)
         extra = during() if during is not None else None
