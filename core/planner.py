@@ -655,8 +655,10 @@ def predict_communication(job: Job, prof: StrategyProfile, spec: Optional[Device
     """The strategy's and the tensor parallelism's collectives per step, each timed on a ring when the device's
     bandwidths are known."""
     colls = []
+    # stages pass seq/cp tokens under cp, and under sequence parallelism each tp rank passes its seq/tp of them
+    stage_seq = job.local_seq // job.mesh.tp if job.sequence_parallel else job.local_seq
     p2p = [] if job.pipeline is None else job.pipeline.collectives(job.mesh, job.model, job.micro_batch * job.grad_accum,
-                                                                    job.local_seq)  # under cp: stages pass seq/cp
+                                                                    stage_seq)
     axes = tensor_parallel_collectives(job) + context_parallel_collectives(job) + expert_parallel_collectives(job)
     for c in list(prof.collectives) + axes + p2p:
         ranks = axes_degree(job.mesh, c.axes)

@@ -172,6 +172,8 @@ def prediction_errors(rows: list[dict[str, Any]]) -> list[str]:
         return relative_error(r.get("pred_" + k), r.get(k))
 
     done = [r for r in rows if r["status"] == "ok"]
+    if not done and any(r["status"] == "planned" for r in rows):
+        return []  # a plan-only sweep measured nothing
     cpu = any(r.get("device") == "cpu" for r in done)
     lines = ["## Prediction against measurement", "",
              "Error = (predicted - measured) / measured (core.planner.relative_error)."
@@ -199,7 +201,7 @@ def ranking(rows: list[dict[str, Any]]) -> list[str]:
     with the rank the planner's prediction gives it, and whether the planner picks the same best three in order."""
     done = [r for r in rows if r["status"] in FINISHED and not r.get("signal") and r.get("tokens_per_s")]
     if len(done) < 2:
-        return []
+        return planned_ranking(rows)
     labels = dict(zip((r["job"] for r in done), point_labels(done)))
     measured = sorted(done, key=lambda r: -r["tokens_per_s"])
     predicted = sorted((r for r in done if r.get("pred_tokens_per_s")), key=lambda r: -r["pred_tokens_per_s"])
@@ -209,13 +211,36 @@ def ranking(rows: list[dict[str, Any]]) -> list[str]:
              "| rank | point | tokens/s | step ms | peak GiB | planner rank | pred tokens/s |",
              "|---|---|---|---|---|---|---|"]
     for i, r in enumerate(measured):
-        cells = [str(i + 1), f"{labels[r['job']]} ({r['job']})", _fmt(r["tokens_per_s"]), _fmt(r["step_time_ms"]),
+        cells = [str(i + 1), f"{labels[r['job']]} (#{r['job'].split('_', 1)[0]})", _fmt(r["tokens_per_s"]), _fmt(r["step_time_ms"]),
                  _fmt(r["peak_mem_gib"]), str(pred_rank.get(r["job"], "-")), _fmt(r.get("pred_tokens_per_s"))]
         lines.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
     top = min(3, len(measured))
     if len(predicted) == len(measured):
         same = [r["job"] for r in measured[:top]] == [r["job"] for r in predicted[:top]]
         lines += ["", f"The planner's best {top} in the measured order: {'yes' if same else 'no'}."]
+    return lines + [""]
+
+
+def planned_ranking(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines for a plan-only sweep (`python train.py -m plan=true ...`): the points ranked by the planner's
+    tokens/s, with its step time, peak memory per rank and exposed communication per axis."""
+    planned = sorted((r for r in rows if r["status"] == "planned" and r.get("pred_tokens_per_s")),
+                     key=lambda r: -r["pred_tokens_per_s"])
+    if not planned:
+        return []
+    labels = dict(zip((r["job"] for r in planned), point_labels(planned)))
+    axes = [(k, t) for k, t in (("tp_exposed_comm_ms", "tp"), ("cp_exposed_comm_ms", "cp ring"),
+                                ("ep_exposed_comm_ms", "ep"), ("pp_bubble_fraction", "pp bubble"))
+            if any(r.get("pred_" + k) is not None for r in planned)]
+    lines = ["## The planner's ranking", "", "Nothing was run (`plan=true`): the points ordered by predicted tokens/s.",
+             "", "| rank | point | pred tokens/s | pred step ms | pred MFU | pred peak GiB per rank "
+             "| pred exposed comm ms" + "".join(f" | {t}" for _, t in axes) + " |", "|---" * (7 + len(axes)) + "|"]
+    for i, r in enumerate(planned):
+        plan = r.get("plan") or {}
+        cells = [str(i + 1), f"{labels[r['job']]} (#{r['job'].split('_', 1)[0]})", _fmt(r["pred_tokens_per_s"]),
+                 _fmt(r.get("pred_step_time_ms")), _fmt(plan.get("mfu")), _fmt(r.get("pred_peak_mem_gib")),
+                 _fmt(r.get("pred_exposed_comm_ms"))] + [_fmt(r.get("pred_" + k)) for k, _ in axes]
+        lines.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
     return lines + [""]
 
 
@@ -328,8 +353,9 @@ def report(sweep_dir: str | Path, quiet: bool = False, rows: Optional[list[dict[
 
 
 # A point finished when its run reached the end of its schedule, or the step `train.stop_at_step` asked for;
-# a run a signal stopped ("stopped" with its signal named: scancel, Ctrl-C) did not.
-FINISHED = ("ok", "stopped")
+# a run a signal stopped ("stopped" with its signal named: scancel, Ctrl-C) did not. A plan-only point (plan=true)
+# is "planned".
+FINISHED = ("ok", "stopped", "planned")
 
 
 def unfinished_points(rows: list[dict[str, Any]]) -> list[str]:

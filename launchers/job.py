@@ -192,7 +192,11 @@ def _run_job(cfg: DictConfig) -> dict[str, Any] | None:
         mesh = validate(cfg)
         check_output_paths(cfg)
         if cfg.plan:
-            return plan_only(cfg)
+            planned = plan_only(cfg)
+            if ctx["multirun"]:  # a plan-only sweep's report ranks its points by the prediction (experiments/report.py)
+                write_summary(run_dir, {"status": "planned", "overrides": ctx["overrides"], "plan": planned},
+                              replace=True)
+            return planned
         from core.planner import plan_or_none
 
         prediction = plan_or_none(cfg)  # every real run logs the prediction; the summary keeps it

@@ -108,6 +108,19 @@ def test_ranking_orders_points_by_measured_throughput_beside_the_planners_order(
     assert "best 3 in the measured order: no" in section and "| d" not in section
 
 
+def test_a_plan_only_sweep_is_ranked_by_the_prediction_and_counts_as_finished(tmp_path: Path):
+    for name, predicted in (("0_mesh=a", 100.0), ("1_mesh=b", 300.0), ("2_mesh=c", 200.0)):
+        _job(tmp_path, name, [f"mesh={name[-1]}"], status="planned", plan={"tokens_per_s": predicted, "mfu": 0.4,
+                                                                            "tp_exposed_comm_ms": 1.0})
+    rows = collect(tmp_path)
+    text = report(tmp_path, quiet=True, rows=rows)["markdown"].read_text()
+    section = text.split("## The planner's ranking", 1)[1].split("##", 1)[0]
+    ranked = [line.split(" | ")[1].split()[0] for line in section.splitlines()
+              if line.startswith("| ") and line[2].isdigit()]
+    assert ranked == ["b", "c", "a"] and "| tp |" in section
+    SweepReportCallback().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))  # no exit 1
+
+
 def test_a_directory_without_points_keeps_its_report(tmp_path: Path):
     """A report copied without its job directories is not overwritten by an empty one; one clear error."""
     (tmp_path / "report.md").write_text("the real report")
