@@ -261,8 +261,7 @@ def build(cfg: DictConfig, mesh: ParallelMesh | None = None) -> Run:
                                    tensor_parallel.name, mesh.tp, pipeline.name, mesh.pp)
     expert_parallel: ExpertParallel = instantiate(cfg.expert_parallel) if "expert_parallel" in cfg \
         else ExpertParallel()
-    expert_parallel.validate(mesh, model_cfg, strategy, bool(cfg.checkpoint.every or cfg.checkpoint.at_end
-                                                             or cfg.resume), bool(cfg.compile))
+    expert_parallel.validate(mesh, model_cfg, strategy, bool(cfg.compile))
     with torch.device("meta"):
         model = TransformerLM(model_cfg, attention)
     model.loss_chunk_tokens = chunk
@@ -422,8 +421,6 @@ def _save(run: Run, ckpt: Checkpointer, step: int) -> None:
     missing = None
     if not run.pipeline.can_checkpoint(run.strategy.name):
         missing = f"pipeline parallelism under parallelism={run.strategy.name}"
-    elif run.mesh.ep > 1:  # each rank holds other experts: rank 0's model is not the whole model
-        missing = "expert parallelism"
     elif not run.tensor_parallel.can_checkpoint(run.strategy.name):
         missing = f"{run.tensor_parallel.describe()} tensor parallelism under parallelism={run.strategy.name}"
     if missing is not None:
@@ -434,9 +431,10 @@ def _save(run: Run, ckpt: Checkpointer, step: int) -> None:
 
 
 def _checkpoint_view(run: Run):
-    """What saves and loads the model and optimizer state: the strategy, or tensor parallelism's / the pipeline's
+    """What saves and loads the model and optimizer state: the strategy, or tensor, expert or pipeline parallelism's
     by-name view of it (`TensorParallelCheckpoint`)."""
     view = run.tensor_parallel.checkpoint_view(run.strategy, run.mesh)
+    view = run.expert_parallel.checkpoint_view(view, run.strategy, run.tensor_parallel, run.mesh)
     return run.pipeline.checkpoint_view(view, run.strategy, run.tensor_parallel, run.mesh)
 
 

@@ -135,8 +135,7 @@ def validate(cfg: DictConfig, check_devices: bool = True) -> ParallelMesh:
         instantiate(cfg.context_parallel).validate(mesh, instantiate(cfg.model), cfg, strategy.name,
                                                    tensor_parallel.name)
     if "expert_parallel" in cfg:
-        instantiate(cfg.expert_parallel).validate(mesh, instantiate(cfg.model), strategy, wants_checkpoints,
-                                                  bool(cfg.compile))
+        instantiate(cfg.expert_parallel).validate(mesh, instantiate(cfg.model), strategy, bool(cfg.compile))
     from core.loss import validate as validate_loss_chunking
 
     validate_loss_chunking(OmegaConf.select(cfg, "train.loss_chunk_tokens", default=0), tensor_parallel.name,

@@ -236,6 +236,37 @@ def test_pp2_dp2_tp2_cp2_trains_like_one_process(reference, tmp_path):
     run_ranks(_train_worker, world_size=16, args=(shape, reference, str(tmp_path)), timeout_s=300, deadline_s=900)
 
 
+def test_cp2_checkpoint_resumes_on_cp2_and_on_one_process(tmp_path):
+    """Parameters are replicated over cp as over dp, so a cp2 run's checkpoint is its strategy's own (our fsdp's,
+    sharded over dp x cp, by the whole model's names): resumed at step 2 on cp2 it continues bit for bit, and on one
+    process (resume_allow_changes=[mesh,world_size]) with the uninterrupted run's step-3 loss."""
+    from tests.utils import read_metrics, read_summary, run_train
+
+    common = ["model=tiny", "model.n_layers=1", "data=synthetic", "data.seq_len=32", "train.batch_size=2",
+              "train.max_steps=3", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
+              "optimizer.warmup_steps=1", "logger=none", "mesh.device=cpu", "mesh.timeout_s=120",
+              "parallelism=fsdp", f"paths.output_root={tmp_path}"]
+
+    def losses(run_dir: Path) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+    first = tmp_path / "cp2"
+    run_train(common + ["mesh=dp1_cp2", "checkpoint.every=2"], first, timeout=600)
+    step2 = first / "checkpoints" / "step_000002"
+    assert (step2 / "dcp").is_dir(), sorted(p.name for p in step2.iterdir())
+    whole = losses(first)
+    for name, mesh in (("same", "mesh=dp1_cp2"), ("single", "mesh=single")):
+        run_dir = tmp_path / name
+        run_train(common + [mesh, f"resume={step2}", "resume_allow_changes=[mesh,world_size]"], run_dir, timeout=600)
+        assert read_summary(run_dir)["status"] == "ok"
+        resumed = losses(run_dir)
+        assert sorted(resumed) == [3], resumed
+        if name == "same":  # the same ranks doing the same arithmetic
+            assert resumed[3] == whole[3], (resumed, whole)
+        else:
+            assert abs(resumed[3] - whole[3]) <= 1e-4 * whole[3], (resumed, whole)
+
+
 REFUSED = [
     (["data.seq_len=30"], "data.seq_len", "2*cp=4 equal chunks"),
     (["mesh.pp=2", "model.n_layers=2", "pipeline=torch"], "pipeline", "does not compose with context parallelism"),
@@ -244,7 +275,6 @@ REFUSED = [
     (["mesh.tp=2", "tensor_parallel=dtensor"], "tensor_parallel", "does not compose with context parallelism"),
     (["mesh.tp=4", "data.seq_len=12"], "tensor_parallel.sequence_parallel",
      "do not split over tp=4"),
-    (["checkpoint.at_end=true"], "checkpoint", "not implemented yet"),
 ]
 
 

@@ -221,6 +221,34 @@ def test_ep2_trains_to_one_process_losses(tmp_path):
         assert all(r["ep_comm_ms"] > 0 for r in ep), ep  # the all-to-alls were timed on the logged steps
 
 
+def test_ep2_checkpoint_resumes_on_ep2_and_on_one_process(tmp_path):
+    """An ep2 run saves each rank's experts (and their AdamW state) as their slice of the whole layer's tensor, under
+    the whole model's names (DCP): resumed at step 2 on ep2 it continues bit for bit, and on one process
+    (resume_allow_changes=[mesh,world_size]) with the uninterrupted run's step-3 loss."""
+    import torch.distributed.checkpoint as dcp
+
+    common = ["parallelism=ddp_bucketed", "mesh.device=cpu", "model.shared_expert=false", "model.n_layers=2",
+              "optimizer.warmup_steps=1"]
+    whole = _train(tmp_path / "ep2", *common, "mesh=dp2_ep2", "checkpoint.every=2")
+    step2 = tmp_path / "ep2" / "run" / "checkpoints" / "step_000002"
+    meta = dcp.FileSystemReader(str(step2 / "dcp")).read_metadata().state_dict_metadata
+    # the whole model's 4 experts, written in two halves (one per ep rank), moments alike
+    for key in ("model.blocks.0.ffn.w1", "optimizer.blocks.1.ffn.w2.exp_avg_sq"):
+        assert tuple(meta[key].size) == ((4, 128, 384) if "w2" in key else (4, 384, 128)), (key, meta[key].size)
+        assert sorted(c.offsets[0] for c in meta[key].chunks) == [0, 2], meta[key].chunks
+    for name, mesh in (("same", "mesh=dp2_ep2"), ("single", "mesh=single")):
+        # one process accumulates the two ranks' rows as two micro-batches (the aux loss is per micro-batch)
+        single = ["train.grad_accum_steps=2", "resume_allow_changes=[mesh,world_size,train.grad_accum_steps]"]
+        resumed = _train(tmp_path / name, *common, mesh, f"resume={step2}",
+                         *(single if name == "single" else ["resume_allow_changes=[mesh,world_size]"]))
+        assert [r["step"] for r in resumed] == [3], resumed
+        got, want = resumed[0]["loss"], whole[2]["loss"]
+        if name == "same":  # the same ranks doing the same arithmetic
+            assert got == want, (got, want)
+        else:
+            assert abs(got - want) <= 1e-4 * want, (got, want)
+
+
 # ---- refusals ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides, key, words", [
     (["model=tiny_moe", "mesh.dp_shard=3", "mesh.ep=3", "train.batch_size=3"], "mesh.ep", "model.n_experts=4"),
@@ -228,7 +256,6 @@ def test_ep2_trains_to_one_process_losses(tmp_path):
     (["model=tiny", "mesh.dp_shard=2", "mesh.ep=2"], "mesh.ep", "is dense"),
     (["model=tiny_moe", "mesh.dp_shard=2", "mesh.ep=2", "parallelism=torch_fsdp2"], "parallelism",
      "parallelism=torch_fsdp2"),
-    (["model=tiny_moe", "mesh.dp_shard=2", "mesh.ep=2", "checkpoint.at_end=true"], "checkpoint", "not supported"),
 ])
 def test_refused_before_start(overrides, key, words):
     from launchers.job import config_error_in, validate

@@ -359,9 +359,6 @@ class ContextParallel:
                 "set mesh.cp=1 or model.n_experts=0 (a dense model)")
         require(not cfg.get("compile", False), "compile", f"torch.compile with mesh.cp={cp} is not supported "
                 "(the ring's send/receive inside the blocks)", "set compile=false")
-        wants = bool(cfg.checkpoint.every or cfg.checkpoint.at_end or cfg.get("resume"))
-        require(not wants, "checkpoint", f"checkpoints with mesh.cp={cp} are not implemented yet",
-                "set checkpoint.every=0 checkpoint.at_end=false resume=null")
         key = attention_key(cfg.attention_impl)
         require(key in BLOCK_KERNELS, "attention_impl", f"{key} cannot run as ring-attention blocks (no per-block "
                 "log-sum-exp)", "use attention_impl=flash_torch, flash_triton, sdpa or naive")

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from core.distributed.checkpoint_boxes import Boxed
 from core.distributed.comm import CommTimer
 from core.distributed.mesh import ParallelMesh
 from core.distributed.strategy import CollectiveSpec, ModelLayout, expert_sharded_parameters
@@ -164,8 +165,7 @@ class ExpertParallel:
         self.dp = 1
 
     # ---- before any process starts ----
-    def validate(self, mesh: ParallelMesh, model_cfg, strategy, wants_checkpoints: bool = False,
-                 compiled: bool = False) -> None:
+    def validate(self, mesh: ParallelMesh, model_cfg, strategy, compiled: bool = False) -> None:
         """Refuse, in one line each, what expert parallelism cannot run (the mesh itself refuses an ep that does not
         divide dp_shard x cp)."""
         if mesh.ep == 1:
@@ -182,11 +182,20 @@ class ExpertParallel:
                 f"parallelism={strategy.name} does not run with expert parallelism (mesh.ep={mesh.ep}): it would "
                 "broadcast or average each rank's own experts", "use parallelism=ddp_bucketed (or ddp_naive, "
                 "ddp_flat, ddp_overlap, zero1, zero1_rs, fsdp), or mesh.ep=1")
-        require(not wants_checkpoints, "checkpoint",
-                f"checkpoints of an expert-parallel run (mesh.ep={mesh.ep}) are not supported yet: each rank holds "
-                "other experts", "set checkpoint.every=0 checkpoint.at_end=false resume=null, or mesh.ep=1")
         require(not compiled, "compile", f"compile=true with mesh.ep={mesh.ep} is not supported yet (the dispatch "
                 "reads split sizes on the host)", "set compile=false or mesh.ep=1")
+
+    # ---- checkpoints ----
+    def checkpoint_view(self, view, strategy, tensor_parallel, mesh: ParallelMesh):
+        """What saves and loads this run's state under ep > 1: for a whole-parameter strategy (the DDP family, ZeRO-1)
+        `TensorParallelCheckpoint`, which saves every parameter and its optimizer state by the whole model's name
+        through DCP, a rank's experts as their box of the whole layer's tensor (`expert_box`); our fsdp boxes them in
+        its own format. Either reads on any ep, dp or cp degree, one process included (`reshardable`)."""
+        from core.distributed.tensor_parallel import MegatronTensorParallel, TensorParallelCheckpoint
+
+        if mesh.ep == 1 or view is not strategy or strategy.name not in MegatronTensorParallel.whole_parameter:
+            return view
+        return TensorParallelCheckpoint(tensor_parallel, mesh, strategy.name)
 
     # ---- the parallelize step ----
     def apply(self, model: nn.Module, mesh: ParallelMesh) -> None:
@@ -287,6 +296,21 @@ def keep_experts(layer: MoEFeedForward, position: int, ep: int) -> None:
     for name in ("w1", "w3", "w2"):
         full = getattr(layer, name)
         setattr(layer, name, nn.Parameter(full.new_empty((n, *full.shape[1:])), requires_grad=full.requires_grad))
+
+
+def expert_box(model: nn.Module, fqn: str, value: Tensor) -> Optional[Boxed]:
+    """`value` (parameter `fqn`, or optimizer state shaped like it) as this rank's box of the whole model's tensor
+    when `fqn` is a routed-expert weight of which this rank holds n_experts / ep < n_experts: the box starts at the
+    layer's first local expert. None for everything else (its local value is the whole model's)."""
+    owner, _, leaf = fqn.rpartition(".")
+    layer = model.get_submodule(owner) if owner else model
+    if not isinstance(layer, MoEFeedForward) or leaf not in ("w1", "w3", "w2"):
+        return None
+    held = layer.expert_slice.stop - layer.expert_slice.start
+    if held == layer.n_experts or value.shape != getattr(layer, leaf).shape:
+        return None
+    offset = (layer.expert_slice.start,) + (0,) * (value.dim() - 1)
+    return Boxed((layer.n_experts, *value.shape[1:]), value.dtype, [(value, offset)])
 
 
 def expert_layouts(model_cfg, ep: int) -> tuple[ModelLayout, ModelLayout]:

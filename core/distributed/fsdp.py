@@ -624,7 +624,13 @@ class FSDPStrategy(Strategy):
     def _wrap(self, name: str, p: nn.Parameter, t: torch.Tensor, boxed: dict[str, Boxed], key: str):
         """`t` (parameter `name` or optimizer state shaped like it) as a checkpoint entry whose global value is
         the one-process tensor: a DTensor sharded over dp, or, under tensor parallelism, this rank's rows of its
-        tp part as boxes of the full weight (recorded in `boxed` under `key`, made into entries collectively)."""
+        tp part as boxes of the full weight (recorded in `boxed` under `key`, made into entries collectively); under
+        expert parallelism a rank's experts (whole on it) as their box of the whole layer's tensor."""
+        from core.distributed.expert_parallel import expert_box
+
+        if torch.is_tensor(t) and (box := expert_box(self.wrapped.module, name, t)) is not None:
+            boxed[key] = box
+            return key
         u = self.wrapped.is_sharded(p)
         if u is None or not torch.is_tensor(t) or t.shape != p.shape:
             return t

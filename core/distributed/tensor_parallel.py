@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from core.distributed.checkpoint_boxes import Boxed, as_checkpoint_entries, is_boxed
 from core.distributed.comm import CommTimer, all_gather_flat, reduce_scatter_flat
 from core.distributed.mesh import ParallelMesh
 from core.distributed.strategy import CollectiveSpec
@@ -483,7 +484,9 @@ class TensorParallelCheckpoint:
     (`<name>#q`, `#k`, `#v`), each split on its own (a rank's qkv rows are its q, k and v heads, not one slice of
     the fused weight). Replicas over dp write once (DCP deduplicates). Loading reads whatever slices this rank's
     mesh needs: a run on another tp or dp degree resumes from it, and so does a one-process run (the adapter with
-    tensor parallelism inactive reads whole tensors). Behaves like a `Strategy` to `core.checkpoint.Checkpointer`."""
+    tensor parallelism inactive reads whole tensors). Under expert parallelism a rank's experts of each MoE layer (and
+    their optimizer state) are saved as their box of the whole layer's (n_experts, ...) tensor, so the checkpoint
+    reads on any ep degree too. Behaves like a `Strategy` to `core.checkpoint.Checkpointer`."""
 
     checkpoint_format = "dcp_tp"
     reshardable = True
@@ -516,15 +519,23 @@ class TensorParallelCheckpoint:
         return DTensor.from_local(piece, self.mesh.submesh("tp"), [Shard(dim)], run_check=False,
                                   shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
 
-    def _flat(self, model: nn.Module, fqn: str, entries: dict[str, Any]) -> dict[str, Any]:
-        """`entries` (keyed by name) of parameter `fqn` as checkpoint entries: split pieces get key suffixes."""
+    def _flat(self, model: nn.Module, fqn: str, entries: dict[str, Any], boxed: dict[str, Boxed],
+              where: str) -> dict[str, Any]:
+        """`entries` (keyed by name) of parameter `fqn` as checkpoint entries: split pieces get key suffixes; a
+        rank's experts (expert parallelism) are recorded in `boxed` under a placeholder key (`where` + key) that
+        `state_dict` replaces by their entry once every rank's boxes are known."""
+        from core.distributed.expert_parallel import expert_box
+
         out = {}
         for key, value in entries.items():
             if not torch.is_tensor(value):
                 out[key] = value
-                continue
-            for tag, piece, dim in self._pieces(model, fqn, value):
-                out[key + tag] = self._as_global(piece, dim)
+            elif (box := expert_box(model, fqn, value)) is not None:
+                boxed[where + key] = box
+                out[key] = _Placeholder(where + key)
+            else:
+                for tag, piece, dim in self._pieces(model, fqn, value):
+                    out[key + tag] = self._as_global(piece, dim)
         return out
 
     def _entries(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -541,10 +552,19 @@ class TensorParallelCheckpoint:
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         params, state = self._entries(model, optimizer)
+        boxed: dict[str, Boxed] = {}
         flat_model: dict[str, Any] = {}
         for fqn, value in params.items():
-            flat_model.update(self._flat(model, fqn, {fqn: value}))
-        return {"model": flat_model, "optimizer": {fqn: self._flat(model, fqn, s) for fqn, s in state.items()}}
+            flat_model.update(self._flat(model, fqn, {fqn: value}, boxed, "model/"))
+        flat_optim = {fqn: self._flat(model, fqn, s, boxed, f"optimizer/{fqn}/") for fqn, s in state.items()}
+        if boxed:  # every rank holds experts of every MoE layer: the same keys everywhere (one exchange)
+            made = as_checkpoint_entries(boxed)
+
+            def fill(d: dict[str, Any]) -> dict[str, Any]:
+                return {k: made[v] if isinstance(v, _Placeholder) else v for k, v in d.items()}
+
+            flat_model, flat_optim = fill(flat_model), {fqn: fill(s) for fqn, s in flat_optim.items()}
+        return {"model": flat_model, "optimizer": flat_optim}
 
     @torch.no_grad()
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -555,6 +575,8 @@ class TensorParallelCheckpoint:
                 if not torch.is_tensor(value):
                     entries[key] = loaded[key]
                     continue
+                if is_boxed(loaded.get(key)):  # views of `value`: DCP loaded them in place
+                    continue
                 parts = [loaded[key + tag] for tag, _, _ in self._pieces(model, fqn, value)]
                 parts = [p.to_local() if hasattr(p, "to_local") else p for p in parts]
                 value.copy_(torch.cat(parts, dim=0) if len(parts) > 1 else parts[0])
@@ -563,3 +585,7 @@ class TensorParallelCheckpoint:
             restore(fqn, {fqn: value}, state["model"])
         for fqn, s in opt_state.items():
             restore(fqn, s, state["optimizer"][fqn])
+
+
+class _Placeholder(str):
+    """Stands for an entry `as_checkpoint_entries` makes once every tensor of the state has been visited."""
