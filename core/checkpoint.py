@@ -302,7 +302,8 @@ class Checkpointer:
                               _unreadable_fix(path)) from None
         check_resumable(trainer_state.get("fingerprint", {}), self.fingerprint, allowed_changes, path,
                         reshardable=bool(trainer_state.get("reshardable", False)))
-        strategy = next((r for r in readers if r.checkpoint_format == trainer_state.get("format")), strategy)
+        if strategy.checkpoint_format != trainer_state.get("format"):  # the run's own view reads its own format
+            strategy = next((r for r in readers if r.checkpoint_format == trainer_state.get("format")), strategy)
         require(trainer_state.get("format") == strategy.checkpoint_format, "resume",
                 f"checkpoint {path} was written in {trainer_state.get('format')!r} format, but parallelism "
                 f"{strategy.name!r} uses {strategy.checkpoint_format!r}", "resume under the strategy that wrote it")

@@ -195,7 +195,7 @@ class ExpertParallel:
 
         if mesh.ep == 1 or view is not strategy or strategy.name not in MegatronTensorParallel.whole_parameter:
             return view
-        return TensorParallelCheckpoint(tensor_parallel, mesh, strategy.name)
+        return TensorParallelCheckpoint(tensor_parallel, mesh, strategy.name, boxes=expert_box)
 
     # ---- the parallelize step ----
     def apply(self, model: nn.Module, mesh: ParallelMesh) -> None:

@@ -484,15 +484,18 @@ class TensorParallelCheckpoint:
     (`<name>#q`, `#k`, `#v`), each split on its own (a rank's qkv rows are its q, k and v heads, not one slice of
     the fused weight). Replicas over dp write once (DCP deduplicates). Loading reads whatever slices this rank's
     mesh needs: a run on another tp or dp degree resumes from it, and so does a one-process run (the adapter with
-    tensor parallelism inactive reads whole tensors). Under expert parallelism a rank's experts of each MoE layer (and
-    their optimizer state) are saved as their box of the whole layer's (n_experts, ...) tensor, so the checkpoint
-    reads on any ep degree too. Behaves like a `Strategy` to `core.checkpoint.Checkpointer`."""
+    tensor parallelism inactive reads whole tensors). Tensors that `boxes` places (under expert parallelism a rank's
+    experts of each MoE layer and their optimizer state, `expert_box`) are saved as their box of the whole model's
+    tensor, so the checkpoint reads on any ep degree too. Behaves like a `Strategy` to `core.checkpoint.Checkpointer`."""
 
     checkpoint_format = "dcp_tp"
     reshardable = True
 
-    def __init__(self, tensor_parallel: "TensorParallel", mesh: ParallelMesh, strategy_name: str) -> None:
+    def __init__(self, tensor_parallel: "TensorParallel", mesh: ParallelMesh, strategy_name: str,
+                 boxes: Callable[[nn.Module, str, Tensor], Boxed | None] | None = None) -> None:
         self.tp, self.mesh, self.name = tensor_parallel, mesh, strategy_name
+        # (model, parameter name, tensor) -> its explicit box of the whole model's tensor, or None (expert parallelism)
+        self.boxes = boxes
 
     def _pieces(self, model: nn.Module, fqn: str, value: Tensor) -> list[tuple[str, Tensor, int | None]]:
         """(key suffix, local piece, tp-sharded dim or None) of `value`: parameter `fqn` or optimizer state shaped
@@ -522,15 +525,13 @@ class TensorParallelCheckpoint:
     def _flat(self, model: nn.Module, fqn: str, entries: dict[str, Any], boxed: dict[str, Boxed],
               where: str) -> dict[str, Any]:
         """`entries` (keyed by name) of parameter `fqn` as checkpoint entries: split pieces get key suffixes; a
-        rank's experts (expert parallelism) are recorded in `boxed` under a placeholder key (`where` + key) that
+        tensor `boxes` places (a rank's experts) is recorded in `boxed` under a placeholder key (`where` + key) that
         `state_dict` replaces by their entry once every rank's boxes are known."""
-        from core.distributed.expert_parallel import expert_box
-
         out = {}
         for key, value in entries.items():
             if not torch.is_tensor(value):
                 out[key] = value
-            elif (box := expert_box(model, fqn, value)) is not None:
+            elif self.boxes is not None and (box := self.boxes(model, fqn, value)) is not None:
                 boxed[where + key] = box
                 out[key] = _Placeholder(where + key)
             else:
