@@ -38,6 +38,32 @@ FSDP = {
     "torch_gpipe_fsdp": ["pipeline=torch", "pipeline.schedule=ScheduleGPipe", "parallelism=fsdp"],
 }
 
+# torch's FSDP2 on each stage over dp (its weights are DTensor shards: losses and norms compared, and each unit's
+# all-gathers and reduce-scatters counted: once per step, whatever the micro-batches)
+TORCH_FSDP2 = {
+    "ours_1f1b_torch_fsdp2": ["pipeline=ours", "pipeline.schedule=1f1b", "parallelism=torch_fsdp2"],
+    "torch_1f1b_torch_fsdp2": ["pipeline=torch", "pipeline.schedule=Schedule1F1B", "parallelism=torch_fsdp2"],
+}
+
+
+def _count_fsdp2_collectives() -> dict:
+    """Counts, per FSDP2 parameter group, the all-gathers and gradient reductions (reduce-scatters) of the runs
+    that follow in this process: {"gather": {...}, "reduce": {...}}."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
+
+    counts: dict = {"gather": {}, "reduce": {}}
+
+    def counted(kind: str, plain):
+        def call(*args, **kwargs):
+            key = id(args[0][0])  # the group's first FSDPParam (both take the group's parameters first)
+            counts[kind][key] = counts[kind].get(key, 0) + 1
+            return plain(*args, **kwargs)
+        return call
+
+    pg.foreach_all_gather = counted("gather", pg.foreach_all_gather)
+    pg.foreach_reduce = counted("reduce", pg.foreach_reduce)
+    return counts
+
 
 def _count_fsdp_collectives() -> dict:
     """Counts, per (FullyShardedDataParallel, unit index), the all-gathers launched and the reduce-scatters of the
@@ -77,13 +103,20 @@ def _compare_worker(rank: int, world: int, configs: dict, extra: list, ref_path:
 
     ref = torch.load(ref_path)
     counts = _count_fsdp_collectives()
+    counts2 = _count_fsdp2_collectives()
     for name, overrides in configs.items():
-        for c in counts.values():
+        for c in (*counts.values(), *counts2.values()):
             c.clear()
         out = _train(compose_cfg(COMMON + extra + overrides, Path(tmp) / name))
         for key in ("losses", "norms"):
             for step, (a, b) in enumerate(zip(out[key], ref[key])):
                 assert abs(a - b) <= 1e-4 * abs(b), f"{name}: step {step + 1} {key[:-1]} {a} != one process's {b}"
+        if "parallelism=torch_fsdp2" in overrides + extra:
+            # gathered at the step's first use and kept (reshard_after_forward off), reduced after the last backward
+            assert counts2["reduce"] and set(counts2["reduce"].values()) == {STEPS}, f"{name}: {counts2['reduce']}"
+            assert counts2["gather"].keys() == counts2["reduce"].keys() and \
+                set(counts2["gather"].values()) == {STEPS}, f"{name}: all-gathers per group {counts2['gather']}"
+            continue
         if "parallelism=fsdp" in overrides + extra:
             assert counts["reduce"] and set(counts["reduce"].values()) == {STEPS}, f"{name}: {counts['reduce']}"
             assert counts["gather"].keys() == counts["reduce"].keys() and set(counts["gather"].values()) == {STEPS}, \
@@ -103,6 +136,15 @@ def test_dp2_pp2_sharded_and_torch_ddp_match_one_process(tmp_path):
     ref = _reference(tmp_path, 8)
     extra = ["mesh=dp2_pp2", "train.batch_size=8", "pipeline.microbatches=2"]
     run_ranks(_compare_worker, world_size=4, timeout_s=240, args=({**DP2_PP2, **FSDP}, extra, ref, str(tmp_path)))
+
+
+def test_dp2_pp2_torch_fsdp2_matches_one_process(tmp_path):
+    """torch's FSDP2 on each stage over dp2 x pp2 (4 ranks), under our 1F1B and torch's Schedule1F1B (which drives
+    the FSDP2 module itself): one process's losses and gradient norms, each weight gathered once and its gradient
+    reduce-scattered once per step."""
+    ref = _reference(tmp_path, 8)
+    extra = ["mesh=dp2_pp2", "train.batch_size=8", "pipeline.microbatches=2"]
+    run_ranks(_compare_worker, world_size=4, timeout_s=240, args=(TORCH_FSDP2, extra, ref, str(tmp_path)))
 
 
 @pytest.mark.slow  # 8 ranks on 2 cores

@@ -53,19 +53,20 @@ def _train(cfg) -> dict:
 
     run = build(cfg)
     init = {n: p.detach().clone() for n, p in run.raw_model.named_parameters()}
-    losses, norms, grads, timeline, saved = [], [], {}, None, None
+    losses, norms, grads, timeline, saved, step_s = [], [], {}, None, None, 0.0
     for step in range(STEPS):
         loss = run.forward_backward(step)
         if step == 0:
             grads = {n: p.grad.detach().clone() for n, p in run.raw_model.named_parameters() if p.grad is not None}
-            timeline = list(run.pipeline.timeline)
+            timeline, step_s = list(run.pipeline.timeline), run.pipeline.step_seconds
         norm, _ = run.optimizer_step(step, measure_norm=True)
         losses.append(all_reduce_mean(loss, run.mesh))
         norms.append(norm)
     if run.mesh.pp > 1:
         saved = run.pipeline.save_timeline(run)  # collective: every rank's last step, written by rank 0
     return {"losses": losses, "norms": norms, "grads": grads, "init": init, "timeline": timeline,
-            "stage": getattr(run.pipeline, "stage", 0), "saved": saved, "model": run.raw_model}
+            "stage": getattr(run.pipeline, "stage", 0), "saved": saved, "model": run.raw_model,
+            "step_s": step_s}
 
 
 def _reference(tmp: Path, batch: int) -> str:
@@ -112,6 +113,29 @@ def _worker(rank: int, world: int, configs: dict, extra: list, ref_path: str, tm
                 assert [r["stage"] for r in written["ranks"]] == [0, 1]
                 assert [tuple(e[:2]) for e in written["ranks"][1]["events"]] == \
                     [tuple(o) for o in schedule_ops("1f1b", 1, 2, 4)]
+                assert out["saved"].with_suffix(".png").is_file()
+        if name.startswith("torch_") and "mesh=dp1_pp2" in extra:
+            # torch's schedules are recorded too: on each rank, every micro-batch's forward and backward of each
+            # chunk once, the backward after its forward, a weight-gradient part (where a backward was split) after
+            # its backward, all inside the step (so its bubble is measured)
+            order = [(op, i) for op, i, _, _ in out["timeline"]]
+            chunks = [""] if "pipeline.virtual_stages=2" not in overrides else ["0", "1"]
+            for c in chunks:
+                for kind in "FB":
+                    assert sorted(i for op, i in order if op == kind + c) == list(range(4)), f"{name}: {order}"
+                assert all(order.index(("F" + c, i)) < order.index(("B" + c, i)) for i in range(4)), order
+                split = [i for op, i in order if op == "W" + c]
+                assert len(set(split)) == len(split), order
+                assert all(order.index(("B" + c, i)) < order.index(("W" + c, i)) for i in split), order
+            assert len(order) == sum(1 for op, _ in order if op[1:] in chunks), order
+            assert all(0 <= start <= end <= out["step_s"] for _, _, start, end in out["timeline"])
+            if rank == 0 and name == "torch_1f1b":
+                import json
+
+                written = json.loads(out["saved"].read_text())
+                assert [r["stage"] for r in written["ranks"]] == [0, 1]
+                for r in written["ranks"]:
+                    assert sorted(tuple(e[:2]) for e in r["events"]) == [(op, i) for op in "BF" for i in range(4)]
                 assert out["saved"].with_suffix(".png").is_file()
 
 
@@ -238,7 +262,11 @@ REFUSED = [  # (overrides beyond mesh=dp1_pp2, the key named)
     (["pipeline=torch", "pipeline.schedule=ScheduleLoopedBFS"], "pipeline.schedule"),  # not offered
     (["pipeline.balance=layers"], "pipeline.balance"),
     (["pipeline.balance=cost", "model.n_layers=1"], "mesh.pp"),  # fewer blocks than stages
-    (["mesh=dp2_pp2", "parallelism=torch_fsdp2"], "parallelism"),
+    # FSDP2 reduces in the step's last backward: it must be a whole one (not ZB-H1's B) over the whole stage
+    (["mesh=dp2_pp2", "parallelism=torch_fsdp2", "pipeline.schedule=zb_h1", "pipeline.microbatches=2"],
+     "parallelism"),
+    (["mesh=dp2_pp2", "parallelism=torch_fsdp2", "pipeline=torch", "pipeline.schedule=ScheduleInterleaved1F1B",
+      "pipeline.virtual_stages=2", "pipeline.microbatches=2"], "parallelism"),
     (["mesh=dp2_pp2", "parallelism=torch_ddp", "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2",
       "pipeline.microbatches=2"], "parallelism"),  # the last backward reaches one chunk: torch's reducer would hang
     (["mesh.tp=2", "tensor_parallel=dtensor"], "tensor_parallel"),

@@ -42,9 +42,10 @@ from core.model import Dropped
 # strategies whose gradient synchronisation a schedule drives through `gradient_sync`: every forward and every
 # backward but the step's last run without it, the last with it, then finish_gradient_synchronization. torch_ddp
 # arms its reducer before that last backward (`TorchDDPStrategy`), our fsdp holds its gathered weights and
-# unsharded gradients for the step (`core.distributed.fsdp`); torch_fsdp2 is not wired
+# unsharded gradients for the step (`core.distributed.fsdp`), torch_fsdp2 keeps its weights gathered and its
+# gradients unreduced until the last backward (`TorchFSDP2Strategy.gradient_sync`)
 COMPOSES_WITH = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed", "zero1", "zero1_rs", "fsdp",
-                 "torch_ddp")
+                 "torch_ddp", "torch_fsdp2")
 # strategies whose stage state `TensorParallelCheckpoint` saves by the whole model's parameter names (every stage
 # its own entries, any tp split as DTensors): a pipeline run resumes on another pp, tp or dp shape
 CHECKPOINTS_WITH = ("none", "ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed", "torch_ddp", "zero1",
@@ -363,6 +364,15 @@ class PipelineParallel:
         require(strategy != "torch_ddp" or self.virtual == 1, "parallelism",
                 "torch_ddp under interleaved 1F1B: the step's last backward reaches only one chunk of the stage, so "
                 "torch's reducer would wait for the other chunk's gradients", "use parallelism=ddp_bucketed")
+        # FSDP2 reduce-scatters in the post-backward of the modules a synced backward reaches: the step's last
+        # backward must reach every weight of the stage (one chunk only under interleaving), and be a whole one
+        # (ZB-H1's W takes gradients of the parameters, which under FSDP2 are the shards, not the gathered
+        # weights the graph used)
+        require(strategy != "torch_fsdp2" or (self.virtual == 1 and self.schedule != "zb_h1"), "parallelism",
+                f"torch_fsdp2 under pipeline.schedule={self.schedule} (virtual_stages={self.virtual}): FSDP2 reduces "
+                "the gradients in the step's last backward, which must be a whole backward of the whole stage",
+                "use a one-chunk schedule with whole backwards (gpipe, 1f1b, ScheduleGPipe, Schedule1F1B), or "
+                "parallelism=fsdp")
         if (cfg.checkpoint.every or cfg.checkpoint.at_end or cfg.resume) and not self.saves(strategy):
             raise ConfigError("checkpoint", f"checkpoints under pipeline parallelism (mesh.pp={pp}) with "
                               f"parallelism={strategy} are not implemented yet",

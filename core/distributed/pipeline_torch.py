@@ -16,7 +16,13 @@ into `microbatches` pieces itself; each micro-batch's loss is divided by their n
 mean, like ours (not torch's `scale_grads`, which divides `.grad` after the schedule: our fsdp accumulates a
 pipeline's gradients unsharded and fills its shards' `.grad` only when it reduce-scatters them). The whole schedule
 runs without data-parallel synchronisation; the strategy then reduces the accumulated gradients once
-(`finish_gradient_synchronization`). Evaluation goes through our forward-only path (`PipelineParallel.loss`).
+(`finish_gradient_synchronization`). Under torch_fsdp2 the stage's module is the FSDP2 module itself (one chunk per
+rank), so torch's stage drives its gradient synchronisation (off in every backward, then one reduce-scatter per
+weight after the last). Evaluation goes through our forward-only path (`PipelineParallel.loss`).
+
+Every rank records the step's timeline as ours does: each stage's `forward_one_chunk`, `backward_one_chunk` and
+`backward_weight_one_chunk` (the entry points torch's schedules call per micro-batch) are wrapped to stamp
+(op, micro-batch, start, end).
 """
 from __future__ import annotations
 
@@ -74,10 +80,21 @@ class _Chunk(nn.Module):
         return out.contiguous()
 
 
+def _is_fsdp2(module: nn.Module) -> bool:
+    """Whether `module` is an FSDP2 (`fully_shard`) module, which torch's pipeline stage drives itself."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import FSDPModule
+    return isinstance(module, FSDPModule)
+
+
 class TorchPipeline(PipelineParallel):
-    """`torch.distributed.pipelining`'s `PipelineStage`s and schedules (`KNOWN`, as installed) over our stages."""
+    """`torch.distributed.pipelining`'s `PipelineStage`s and schedules (`KNOWN`, as installed) over our stages;
+    every rank records its step's (op, micro-batch, start, end) timeline."""
 
     name = "torch"
+    records_timeline = True
 
     @property
     def schedules(self) -> tuple[str, ...]:  # type: ignore[override]
@@ -125,8 +142,12 @@ class TorchPipeline(PipelineParallel):
             require(v == 2, "pipeline.virtual_stages",
                     f"{self.schedule} runs exactly two chunks per rank (a V), got {v}", "set pipeline.virtual_stages=2")
 
-    def _chunk_module(self, run, c: int) -> _Chunk:
+    def _chunk_module(self, run, c: int) -> nn.Module:
         if self.virtual == 1:
+            if _is_fsdp2(run.model):
+                # torch's stage recognises an FSDP2 module: it turns its gradient sync off for every backward and
+                # reduce-scatters once after the last (tp == 1 here: no transposed hidden state to make contiguous)
+                return run.model
             return _Chunk(run.model, [run.raw_model], None)
         layers = self.chunks[c]
         model = run.raw_model
@@ -155,10 +176,31 @@ class TorchPipeline(PipelineParallel):
             stages.append(pipelining.PipelineStage(
                 self._chunk_module(run, c), s, n, dev, input_args=(tokens if s == 0 else hidden,),
                 output_args=logits if s == n - 1 else hidden, group=self.group))
+        for c, stage in enumerate(stages):
+            self._record(run, stage, "" if self.virtual == 1 else str(c))
         cls = getattr(pipelining, self.schedule)
         self._schedule = cls(stages[0] if self.schedule in SINGLE_STAGE else stages, self.microbatches,
                              loss_fn=lambda out, y: run.tensor_parallel.loss(out, y) / self.microbatches,
                              scale_grads=False)
+
+    def _record(self, run, stage, chunk: str) -> None:
+        """Wrap `stage`'s per-micro-batch entry points (on the instance) so that each call appends (op, micro-batch,
+        start, end) to `timeline`, in seconds from the step's start: "F" forward, "B" backward (the input-gradient
+        part where the schedule splits it), "W" the weight-gradient part; `chunk` names the chunk under several."""
+
+        def timed(op: str, plain):
+            def call(mb: int, *args, **kwargs):
+                start = self._stamp(run)
+                try:
+                    return plain(mb, *args, **kwargs)
+                finally:
+                    self.timeline.append((op + chunk, mb, start - self.step_begin, self._stamp(run) - self.step_begin))
+            return call
+
+        for op, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk"), ("W", "backward_weight_one_chunk")):
+            plain = getattr(stage, name, None)
+            if plain is not None:
+                setattr(stage, name, timed(op, plain))
 
     @contextlib.contextmanager
     def _counting_p2p(self):
@@ -195,12 +237,14 @@ class TorchPipeline(PipelineParallel):
         kwargs = {"target": y, "losses": losses} if self.is_last else {}
         counter = self.saved_activations(run) if self.measuring else None
         self.p2p_bytes = 0
+        self.step_begin = self._stamp(run)
         with run.strategy.gradient_sync(False), run.tensor_parallel.loss_context(), run.precision.autocast():
             if counter is None:
                 self._schedule.step(*args, **kwargs)
             else:
                 with counter.hooks(), self._counting_p2p():
                     self._schedule.step(*args, **kwargs)
+        self.step_seconds = self._stamp(run) - self.step_begin
         if counter is not None:
             self._record_activations(counter)
             self.step_p2p_bytes = self.p2p_bytes

@@ -2,7 +2,7 @@
 
 torch_ddp    DDP with 25 MB buckets, gradients as bucket views (no copy back), `static_graph`
              off (our models may change), broadcast of rank 0's parameters at construction.
-torch_fsdp2  `fully_shard` per TransformerBlock and then the root, reshard after forward, bf16
+torch_fsdp2  `fully_shard` per TransformerBlock and then the root, reshard after forward (not under pp), bf16
              `param_dtype` / fp32 `reduce_dtype` when `compute_dtype` is set (what the reference
              measured); checkpoints through torch.distributed.checkpoint's state_dict helpers.
              A meta-device model is sharded first and then materialised (`to_empty` allocates only the local
@@ -24,7 +24,7 @@ from core.distributed.comm import broadcast_module, init_optimizer_state
 from core.distributed.ddp import bucket_layout, unwrap
 from core.distributed.mesh import ParallelMesh
 from core.distributed.strategy import (DP_AXES, CollectiveSpec, ModelInit, ModelLayout, Strategy, StrategyProfile,
-                                       axes_degree, materialize)
+                                       axes_degree, clip_grads_, materialize)
 from core.dtypes import parse_dtype
 
 
@@ -142,7 +142,12 @@ class TorchFSDP2Strategy(Strategy):
         reduced = 2 if self.reduce_dtype in low else 4
         units = layout.n_blocks + 1  # fully_shard per block, then the root (embedding, final norm, lm_head)
         colls = []
-        if shards > 1:
+        if shards > 1 and mesh.pp > 1:  # a pipeline stage: gathered once, held for the step, reduced once
+            colls += [CollectiveSpec("all_gather", "parameters", gathered * layout.numel, units, axes=shard_axes,
+                                     overlappable=True),
+                      CollectiveSpec("reduce_scatter", "gradients", reduced * layout.numel, units, axes=shard_axes,
+                                     overlappable=True)]
+        elif shards > 1:
             colls += [CollectiveSpec("all_gather", "parameters", 2 * gathered * layout.numel * grad_accum,
                                      2 * units * grad_accum, axes=shard_axes, overlappable=True),
                       CollectiveSpec("reduce_scatter", "gradients", reduced * layout.numel, units, axes=shard_axes,
@@ -153,9 +158,12 @@ class TorchFSDP2Strategy(Strategy):
         return StrategyProfile(
             params_sharded_over=shard_axes, grads_sharded_over=shard_axes, optimizer_sharded_over=shard_axes,
             collectives=tuple(colls),
-            # the running and the prefetched block, plus the root's embedding and lm_head
-            gathered_param_bytes=gathered * (2 * layout.block_params + 2 * layout.embedding) if shards > 1 else 0,
-            backward_transient_bytes=4 * 2 * layout.block_params if shards > 1 else 0,
+            # the running and the prefetched block, plus the root's embedding and lm_head; a pipeline stage holds
+            # all its weights unsharded and their accumulated full-size gradients (reduce dtype) for the step
+            gathered_param_bytes=0 if shards == 1 else gathered * layout.numel if mesh.pp > 1 else
+            gathered * (2 * layout.block_params + 2 * layout.embedding),
+            backward_transient_bytes=0 if shards == 1 else reduced * layout.numel if mesh.pp > 1 else
+            4 * 2 * layout.block_params,
             autocast_weight_copies=self.compute_dtype not in low)
 
     def setup(self, model: nn.Module, mesh: ParallelMesh, init_fn: ModelInit) -> nn.Module:
@@ -177,10 +185,15 @@ class TorchFSDP2Strategy(Strategy):
         dm = mesh.submesh("dp")
         if mesh.dp_replicate > 1:
             dm = mesh.device_mesh[("dp_replicate", "dp_shard")]
+        self._shard_group = dm["dp_shard"].get_group() if dm.ndim > 1 else dm.get_group()
+        # under pipeline parallelism a stage runs up to m forwards before their backwards: resharding after each
+        # forward would all-gather every weight again in each backward and each forward (2m per step instead of
+        # 1). Like torchtitan under pp, keep the stage's weights gathered for the step (1/pp of the model)
+        reshard = self.reshard_after_forward and mesh.pp == 1
         blocks = getattr(model, "blocks", None)
         for block in (blocks if blocks is not None else []):
-            fully_shard(block, mesh=dm, mp_policy=mp, reshard_after_forward=self.reshard_after_forward)
-        fully_shard(model, mesh=dm, mp_policy=mp, reshard_after_forward=self.reshard_after_forward)
+            fully_shard(block, mesh=dm, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(model, mesh=dm, mp_policy=mp, reshard_after_forward=reshard)
         if shard_first:
             model.to_empty(device=mesh.device_obj)  # only this rank's shards (FSDP2 re-registers them)
             init_fn(model)  # each weight drawn whole, one at a time, and chunked to this rank's shard
@@ -188,12 +201,29 @@ class TorchFSDP2Strategy(Strategy):
         return model
 
     def gradient_sync(self, enabled: bool):
-        if hasattr(self.wrapped, "set_requires_gradient_sync"):
-            self.wrapped.set_requires_gradient_sync(enabled)
+        """Off: the backward accumulates unsharded gradients (reduce dtype) and skips the reduce-scatter. Under
+        pipeline parallelism (every forward and every backward but the step's last run with it off) also: the
+        weights stay gathered after such a backward, and FSDP2's end-of-backward bookkeeping (waiting for the
+        reductions, resetting its prefetch state) waits for the step's last backward (`set_is_last_backward`),
+        which then reduce-scatters each weight's accumulated gradient once and reshards (what
+        torch.distributed.pipelining's stage sets for an FSDP module)."""
+        w = self.wrapped
+        if hasattr(w, "set_requires_gradient_sync"):
+            w.set_requires_gradient_sync(enabled)
+            if self.mesh.pp > 1:
+                if hasattr(w, "set_is_last_backward"):
+                    w.set_is_last_backward(enabled)
+                if hasattr(w, "set_reshard_after_backward"):
+                    w.set_reshard_after_backward(enabled)
         return contextlib.nullcontext()
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         params = [p for p in self.wrapped.parameters() if p.grad is not None]
+        if self.mesh.pp > 1:
+            # each stage holds other weights: their local shards' squares summed over dp_shard and over pp (no
+            # tensor parallelism composes with torch_fsdp2 under pp)
+            return clip_grads_([p.grad for p in params], [True] * len(params), max_norm, None,
+                               self._shard_group, 1, pp_group=self.mesh.group("pp"))
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
