@@ -2,7 +2,8 @@
 
 The ring's output, log-sum-exp and q/k/v gradients equal float64 attention on the whole sequence (causal and not,
 cp 2 and 4, multi-head and grouped-query, flash_torch and math blocks); training under mesh.cp=2 and cp2 x tp2
-gives one process's per-step losses and gradient norms; impossible configurations are refused in one line."""
+gives one process's per-step losses and gradient norms; a cp2 checkpoint resumes on cp2 and on one process;
+impossible configurations are refused in one line."""
 from __future__ import annotations
 
 import subprocess

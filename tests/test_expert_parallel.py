@@ -1,7 +1,7 @@
 """Expert parallelism (core/distributed/expert_parallel.py) against one process: per-step training losses through
-train.py (ddp_bucketed and zero1, ep2 on dp_shard2), an ep2 checkpoint resumed on ep2 and on one process, each rank's gradients against a float64 single-process reference
-on 2 and 4 gloo ranks (ep = dp_shard, and ep2 on dp_shard4 where two ranks hold the same experts), the refusals, and
-the planner's all-to-all bytes against what a real step sent."""
+train.py (ddp_bucketed and zero1, ep2 on dp_shard2), an ep2 checkpoint resumed on ep2 and on one process, each rank's
+gradients against a float64 single-process reference on 2 and 4 gloo ranks (ep = dp_shard, and ep2 on dp_shard4 where
+two ranks hold the same experts), the refusals, and the planner's all-to-all bytes against what a real step sent."""
 from __future__ import annotations
 
 import functools
