@@ -41,9 +41,13 @@ FSDP = {
 # torch's FSDP2 on each stage over dp (its weights are DTensor shards: losses and norms compared, and each unit's
 # all-gathers and reduce-scatters counted: once per step, whatever the micro-batches)
 TORCH_FSDP2 = {
+    "ours_1f1b_ddp_bucketed": ["pipeline=ours", "pipeline.schedule=1f1b", "parallelism=ddp_bucketed"],  # reference
     "ours_1f1b_torch_fsdp2": ["pipeline=ours", "pipeline.schedule=1f1b", "parallelism=torch_fsdp2"],
     "torch_1f1b_torch_fsdp2": ["pipeline=torch", "pipeline.schedule=Schedule1F1B", "parallelism=torch_fsdp2"],
 }
+
+# configurations whose last step is measured (activation peak, bubble): torch_fsdp2's against ddp_bucketed's
+MEASURED = ("ours_1f1b_ddp_bucketed", "ours_1f1b_torch_fsdp2", "torch_1f1b_torch_fsdp2")
 
 
 def _count_fsdp2_collectives() -> dict:
@@ -104,10 +108,12 @@ def _compare_worker(rank: int, world: int, configs: dict, extra: list, ref_path:
     ref = torch.load(ref_path)
     counts = _count_fsdp_collectives()
     counts2 = _count_fsdp2_collectives()
+    measured = {n: {} for n in configs if n in MEASURED}
     for name, overrides in configs.items():
         for c in (*counts.values(), *counts2.values()):
             c.clear()
-        out = _train(compose_cfg(COMMON + extra + overrides, Path(tmp) / name))
+        out = _train(compose_cfg(COMMON + extra + overrides, Path(tmp) / name), measure_last=name in measured)
+        measured[name] = out["measured"]
         for key in ("losses", "norms"):
             for step, (a, b) in enumerate(zip(out[key], ref[key])):
                 assert abs(a - b) <= 1e-4 * abs(b), f"{name}: step {step + 1} {key[:-1]} {a} != one process's {b}"
@@ -116,6 +122,13 @@ def _compare_worker(rank: int, world: int, configs: dict, extra: list, ref_path:
             assert counts2["reduce"] and set(counts2["reduce"].values()) == {STEPS}, f"{name}: {counts2['reduce']}"
             assert counts2["gather"].keys() == counts2["reduce"].keys() and \
                 set(counts2["gather"].values()) == {STEPS}, f"{name}: all-gathers per group {counts2['gather']}"
+            if name in MEASURED:
+                # the activations the stage saved are the same stage's under ddp_bucketed (the weights FSDP2
+                # gathers are parameters, not activations), and the measured step has its bubble
+                want = measured["ours_1f1b_ddp_bucketed"]["pp_activation_peak_mib"]
+                got = out["measured"]["pp_activation_peak_mib"]
+                assert abs(got - want) <= 1e-3 * want, f"{name}: activations {got} MiB, ddp_bucketed's {want} MiB"
+                assert 0 <= out["measured"]["pp_bubble_fraction"] < 1, out["measured"]
             continue
         if "parallelism=fsdp" in overrides + extra:
             assert counts["reduce"] and set(counts["reduce"].values()) == {STEPS}, f"{name}: {counts['reduce']}"

@@ -45,17 +45,21 @@ FOUR_RANKS = {  # mesh=dp2_pp2, train.batch_size=8: 4 sequences per dp rank, 2 m
 }
 
 
-def _train(cfg) -> dict:
+def _train(cfg, measure_last: bool = False) -> dict:
     """STEPS optimizer steps through the trainer: each step's loss and grad norm, this rank's initial weights and
     its gradients of the first step (synchronised, before clipping), by parameter name, and the first step's
-    timeline."""
+    timeline; with `measure_last`, the pipeline's measurements of the last step (`step_metrics`)."""
     from core.trainer import all_reduce_mean, build
 
     run = build(cfg)
     init = {n: p.detach().clone() for n, p in run.raw_model.named_parameters()}
     losses, norms, grads, timeline, saved, step_s = [], [], {}, None, None, 0.0
+    measured: dict = {}
     for step in range(STEPS):
+        run.pipeline.measure_communication(measure_last and step == STEPS - 1)
         loss = run.forward_backward(step)
+        if measure_last and step == STEPS - 1:
+            measured = run.pipeline.step_metrics()
         if step == 0:
             grads = {n: p.grad.detach().clone() for n, p in run.raw_model.named_parameters() if p.grad is not None}
             timeline, step_s = list(run.pipeline.timeline), run.pipeline.step_seconds
@@ -66,7 +70,7 @@ def _train(cfg) -> dict:
         saved = run.pipeline.save_timeline(run)  # collective: every rank's last step, written by rank 0
     return {"losses": losses, "norms": norms, "grads": grads, "init": init, "timeline": timeline,
             "stage": getattr(run.pipeline, "stage", 0), "saved": saved, "model": run.raw_model,
-            "step_s": step_s}
+            "step_s": step_s, "measured": measured}
 
 
 def _reference(tmp: Path, batch: int) -> str:

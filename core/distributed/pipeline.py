@@ -543,7 +543,8 @@ class PipelineParallel:
 
     def saved_activations(self, run) -> "SavedActivations":
         """A counter of this step's saved activations (its `hooks()` wrap the schedule); parameters left out."""
-        return SavedActivations({p.untyped_storage().data_ptr() for p in run.raw_model.parameters()})
+        local = (p.to_local() if hasattr(p, "to_local") else p for p in run.raw_model.parameters())  # FSDP2 shards
+        return SavedActivations({t.untyped_storage().data_ptr() for t in local})
 
     def _record_activations(self, counter: "SavedActivations") -> None:
         self.activation_peak = counter.peak
@@ -648,7 +649,8 @@ class SavedActivations:
     holder, which the graph keeps until the backward that uses it has freed it, so the count follows the
     micro-batches in flight exactly (on any device, whatever the allocator caches). A storage counts once
     however many slots hold it (the whole storage: a saved view keeps all of it alive); storages of
-    `exclude` (the parameters, which matmuls save too) are not activations and are not counted."""
+    `exclude` (the parameters, which matmuls save too) are not activations and are not counted, nor is any other
+    parameter or view of one (FSDP2's gathered weights)."""
 
     def __init__(self, exclude: set[int]) -> None:
         self.exclude = exclude
@@ -660,7 +662,9 @@ class SavedActivations:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: Tensor) -> Any:
-        if t.device.type == "meta":
+        # a parameter, or a view of one, that is not among `exclude`: FSDP2's gathered weights (parameters it
+        # allocates at its all-gather, not the sharded ones the model lists)
+        if t.device.type == "meta" or isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
             return t
         storage = t.untyped_storage()
         key = storage.data_ptr()
