@@ -222,13 +222,16 @@ def _bubbles(ranks: list[dict]) -> dict[int, float]:
 def test_measured_bubble_is_the_planners_formula(tmp_path):
     """Blocks that cost a fixed sleep (100 ms forward, 200 ms backward, far above their compute), pp2, 4 micro-
     batches: each stage's idle share of the step, from the recorded timelines, is within 25% of the formula:
-    GPipe and 1F1B (p-1)/(m+p-1) = 1/5 with one block per stage, interleaved 1F1B (p-1)/(vm+p-1) = 1/9 with one
-    block per chunk."""
+    GPipe and 1F1B (p-1)/(m+p-1) = 1/5 with one block per stage (ours and torch's 1F1B), interleaved 1F1B
+    (p-1)/(vm+p-1) = 1/9 with one block per chunk."""
     configs = {
         "gpipe": (["model.n_layers=2", "pipeline.schedule=gpipe"], bubble_fraction(2, 4, "gpipe")),
         "1f1b": (["model.n_layers=2", "pipeline.schedule=1f1b"], bubble_fraction(2, 4, "1f1b")),
+        # torch's, timed at its stages' forward_one_chunk / backward_one_chunk
+        "torch_1f1b": (["model.n_layers=2", "pipeline=torch", "pipeline.schedule=Schedule1F1B"],
+                       bubble_fraction(2, 4, "Schedule1F1B")),
         "interleaved": (["pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2"],
                         bubble_fraction(2, 4, "interleaved_1f1b", 2)),
     }
-    assert configs["1f1b"][1] == pytest.approx(1 / 5) and configs["interleaved"][1] == pytest.approx(1 / 9)
+    assert configs["1f1b"][1] == configs["torch_1f1b"][1] == pytest.approx(1 / 5) and configs["interleaved"][1] == pytest.approx(1 / 9)
     run_ranks(_bubble_worker, world_size=2, timeout_s=180, args=(str(tmp_path), configs))
