@@ -44,6 +44,9 @@ TORCH_FSDP2 = {
     "ours_1f1b_ddp_bucketed": ["pipeline=ours", "pipeline.schedule=1f1b", "parallelism=ddp_bucketed"],  # reference
     "ours_1f1b_torch_fsdp2": ["pipeline=ours", "pipeline.schedule=1f1b", "parallelism=torch_fsdp2"],
     "torch_1f1b_torch_fsdp2": ["pipeline=torch", "pipeline.schedule=Schedule1F1B", "parallelism=torch_fsdp2"],
+    # the last backward reaches one chunk: FSDP2's end-of-backward reduces the other chunk's blocks
+    "ours_interleaved_torch_fsdp2": ["pipeline=ours", "pipeline.schedule=interleaved_1f1b",
+                                     "pipeline.virtual_stages=2", "parallelism=torch_fsdp2"],
 }
 
 # configurations whose last step is measured (activation peak, bubble): torch_fsdp2's against ddp_bucketed's
@@ -152,9 +155,9 @@ def test_dp2_pp2_sharded_and_torch_ddp_match_one_process(tmp_path):
 
 
 def test_dp2_pp2_torch_fsdp2_matches_one_process(tmp_path):
-    """torch's FSDP2 on each stage over dp2 x pp2 (4 ranks), under our 1F1B and torch's Schedule1F1B (which drives
-    the FSDP2 module itself): one process's losses and gradient norms, each weight gathered once and its gradient
-    reduce-scattered once per step."""
+    """torch's FSDP2 on each stage over dp2 x pp2 (4 ranks), under our 1F1B and interleaved 1F1B and torch's
+    Schedule1F1B (which drives the FSDP2 module itself): one process's losses and gradient norms, each weight
+    gathered once and its gradient reduce-scattered once per step, and the same activations as ddp_bucketed."""
     ref = _reference(tmp_path, 8)
     extra = ["mesh=dp2_pp2", "train.batch_size=8", "pipeline.microbatches=2"]
     run_ranks(_compare_worker, world_size=4, timeout_s=240, args=(TORCH_FSDP2, extra, ref, str(tmp_path)))

@@ -266,7 +266,8 @@ REFUSED = [  # (overrides beyond mesh=dp1_pp2, the key named)
     (["pipeline=torch", "pipeline.schedule=ScheduleLoopedBFS"], "pipeline.schedule"),  # not offered
     (["pipeline.balance=layers"], "pipeline.balance"),
     (["pipeline.balance=cost", "model.n_layers=1"], "mesh.pp"),  # fewer blocks than stages
-    # FSDP2 reduces in the step's last backward: it must be a whole one (not ZB-H1's B) over the whole stage
+    # FSDP2 reduces in the step's last backward: a whole one (not ZB-H1's B) through the FSDP2 module (not
+    # torch's multi-chunk schedules, which run our chunk wrappers)
     (["mesh=dp2_pp2", "parallelism=torch_fsdp2", "pipeline.schedule=zb_h1", "pipeline.microbatches=2"],
      "parallelism"),
     (["mesh=dp2_pp2", "parallelism=torch_fsdp2", "pipeline=torch", "pipeline.schedule=ScheduleInterleaved1F1B",

@@ -364,15 +364,17 @@ class PipelineParallel:
         require(strategy != "torch_ddp" or self.virtual == 1, "parallelism",
                 "torch_ddp under interleaved 1F1B: the step's last backward reaches only one chunk of the stage, so "
                 "torch's reducer would wait for the other chunk's gradients", "use parallelism=ddp_bucketed")
-        # FSDP2 reduce-scatters in the post-backward of the modules a synced backward reaches: the step's last
-        # backward must reach every weight of the stage (one chunk only under interleaving), and be a whole one
-        # (ZB-H1's W takes gradients of the parameters, which under FSDP2 are the shards, not the gathered
-        # weights the graph used)
-        require(strategy != "torch_fsdp2" or (self.virtual == 1 and self.schedule != "zb_h1"), "parallelism",
-                f"torch_fsdp2 under pipeline.schedule={self.schedule} (virtual_stages={self.virtual}): FSDP2 reduces "
-                "the gradients in the step's last backward, which must be a whole backward of the whole stage",
-                "use a one-chunk schedule with whole backwards (gpipe, 1f1b, ScheduleGPipe, Schedule1F1B), or "
-                "parallelism=fsdp")
+        # FSDP2 reduce-scatters in the step's last backward, run synced: its post-backward of the modules it
+        # reaches, and, at its end, of every other module (ours under interleaving: the other chunks). It must be
+        # a whole backward (ZB-H1's W asks autograd for the gradients of the parameters, which under FSDP2 are the
+        # shards, not the gathered weights the graph used), and reach the FSDP2 module: torch's multi-chunk
+        # schedules run our chunk wrappers, so no backward of theirs would be synced
+        require(strategy != "torch_fsdp2" or (self.schedule != "zb_h1" and
+                                              (self.virtual == 1 or self.schedule == "interleaved_1f1b")),
+                "parallelism", f"torch_fsdp2 under pipeline={self.name} pipeline.schedule={self.schedule}: FSDP2 "
+                "reduces the gradients in the step's last backward, which must be a whole backward through the FSDP2 "
+                "module", "use gpipe, 1f1b or interleaved_1f1b (pipeline=ours), ScheduleGPipe or Schedule1F1B "
+                "(pipeline=torch), or parallelism=fsdp")
         if (cfg.checkpoint.every or cfg.checkpoint.at_end or cfg.resume) and not self.saves(strategy):
             raise ConfigError("checkpoint", f"checkpoints under pipeline parallelism (mesh.pp={pp}) with "
                               f"parallelism={strategy} are not implemented yet",
