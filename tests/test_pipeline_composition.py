@@ -1,8 +1,9 @@
 """Pipeline parallelism composed with the sharding strategies and torch's DDP, and its checkpoints, on CPU ranks
 (gloo, fp32) against one process.
 
-dp2 x pp2 under zero1, zero1_rs, our fsdp (weights gathered once per step, gradients reduce-scattered once) and
-torch_ddp (its reducer armed before the step's last backward), with our and torch's schedules; our interleaved
+dp2 x pp2 under zero1, zero1_rs, our fsdp (weights gathered once per step, gradients reduce-scattered once),
+torch_fsdp2 (the same, counted at FSDP2's collectives) and torch_ddp (its reducer armed before the step's last
+backward), with our and torch's schedules; our interleaved
 1F1B under data parallelism and ZB-H1 under tensor parallelism; the 3D example (fsdp, dp_shard2 x tp2 x pp2, 8
 ranks): every step's loss and gradient norm is one process's within 1e-4 relative. A pp2 checkpoint (each stage's
 parameters and optimizer state under the whole model's names, through torch.distributed.checkpoint) resumes on pp2

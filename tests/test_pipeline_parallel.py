@@ -1,8 +1,8 @@
 """Pipeline parallelism on CPU ranks (gloo, fp32) against one process: each stage starts from one process's
 weights, and every schedule (ours: GPipe, 1F1B, interleaved 1F1B, ZB-H1; torch.distributed.pipelining's:
 ScheduleGPipe, Schedule1F1B) trains to the same losses and gradient norms step by step, alone (pp2) and under data
-parallelism (dp2 x pp2). Our schedules' recorded timelines follow their definitions; impossible configurations
-are refused in one line.
+parallelism (dp2 x pp2). Our schedules' recorded timelines follow their definitions, torch's hold every
+micro-batch's forward and backward on every rank; impossible configurations are refused in one line.
 
 Every configuration is built by the real trainer (`core.trainer.build` on a composed config); one spawn runs
 several configurations one after another (starting ranks costs seconds)."""
