@@ -212,6 +212,10 @@ class LMHead(nn.Linear):
     `core.loss.ChunkedLinearCrossEntropy`, so the (tokens, vocabulary) logits never exist whole. Called as a module
     either way, so the hooks a strategy or tensor parallelism puts on it (weight gathers, region entry) run."""
 
+    # both paths run the weight in autocast's dtype, as F.linear does: a strategy may hand it a low-precision copy
+    # (BucketedDDP's compute_dtype)
+    weight_in_autocast_dtype = True
+
     def __init__(self, d_model: int, vocab_size: int) -> None:
         super().__init__(d_model, vocab_size, bias=False)
 

@@ -153,7 +153,10 @@ def _linear_params(module: nn.Module) -> set[int]:
     embedding, which autocast does not cast) is left out: a low-precision copy would change its numerics."""
     linear, other = set(), set()
     for m in module.modules():
-        uses_f_linear = isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+        # a Linear subclass may declare that its forward runs the weight in autocast's dtype as F.linear does
+        # (core.model.LMHead: F.linear, or the chunked loss, which casts the weight to autocast's dtype itself)
+        uses_f_linear = isinstance(m, nn.Linear) and (type(m).forward is nn.Linear.forward
+                                                      or getattr(m, "weight_in_autocast_dtype", False))
         for p in m._parameters.values():
             if p is not None:
                 (linear if uses_f_linear else other).add(id(p))
