@@ -27,8 +27,9 @@ class Boxed:
 
 
 def as_checkpoint_entries(pieces: dict[str, Boxed]) -> dict[str, Any]:
-    """A `ShardedTensor` per key of `pieces` (the same keys on every rank). Collective: the ranks exchange their
-    boxes' offsets and sizes once (every ShardedTensor lists every rank's boxes)."""
+    """A `ShardedTensor` per key of `pieces`. Collective: the ranks exchange their boxes' offsets and sizes once
+    (every ShardedTensor lists every rank's boxes). A rank may lack a key (under pipeline parallelism another stage
+    holds that tensor): it then lists no boxes of it."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
@@ -40,7 +41,7 @@ def as_checkpoint_entries(pieces: dict[str, Boxed]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, b in pieces.items():
         shards_md = [ShardMetadata(list(off), list(size), f"rank:{r}/{dev}")
-                     for r, theirs in enumerate(every) for off, size, dev in theirs[key]]
+                     for r, theirs in enumerate(every) for off, size, dev in theirs.get(key, ())]
         local = [Shard(v, ShardMetadata(list(off), list(v.shape), f"rank:{rank}/{v.device}")) for v, off in b.boxes]
         meta = ShardedTensorMetadata(shards_md, torch.Size(b.shape), TensorProperties(dtype=b.dtype))
         out[key] = ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)

@@ -255,3 +255,28 @@ def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, op=dist.ReduceOp.S
                         async_op: bool = False):
     """out (n) <- this rank's chunk of the sum over ranks of inp (world * n), along dim 0."""
     return _REDUCE_SCATTER(out, inp, op=op, group=group, async_op=async_op)
+
+
+class AxisCommTiming:
+    """For a parallel plugin whose collectives on one mesh axis a `CommTimer` in `self.timer` times (None: the axis
+    has degree 1, nothing to time). The trainer turns timing on for the steps it logs and reads
+    `<comm_axis>_comm_ms` / `<comm_axis>_exposed_comm_ms` from `step_metrics`."""
+
+    comm_axis = ""
+    timer: "CommTimer | None" = None
+
+    def measure_communication(self, enabled: bool) -> None:
+        """Time this axis's collectives in the steps that follow (or stop timing them)."""
+        if self.timer is not None:
+            if enabled and not self.timer.enabled:
+                self.timer.reset()
+            self.timer.enabled = enabled
+
+    def step_metrics(self) -> dict[str, float]:
+        """This axis's communication time of the measured steps and its exposed part (empty when not timed)."""
+        if self.timer is None or not self.timer.enabled:
+            return {}
+        m = self.timer.metrics()
+        return {f"{self.comm_axis}_comm_ms": m.get("comm_ms", 0.0),
+                f"{self.comm_axis}_exposed_comm_ms": m.get("exposed_comm_ms", 0.0)}
+

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from core.attention import AttentionImpl, repeat_kv
-from core.distributed.comm import CommTimer
+from core.distributed.comm import AxisCommTiming, CommTimer
 from core.distributed.mesh import ParallelMesh
 from core.errors import ConfigError, require
 from core.kernels._flash_common import autocast_dtype
@@ -308,7 +308,7 @@ class SlicedRotary:
 
 
 # ---- the plugins --------------------------------------------------------------------------------------------
-class ContextParallel:
+class ContextParallel(AxisCommTiming):
     """Base of the `context_parallel` plugins; with `mesh.cp == 1` a plugin changes nothing.
 
     `validate` refuses what cannot run (before ranks start), `apply` swaps the model's attention (in the parallelize
@@ -316,6 +316,7 @@ class ContextParallel:
     weights' gradients over cp where the strategy does not (its data-parallel group is dp x cp otherwise)."""
 
     name = "none"
+    comm_axis = "cp"
     composes_with: tuple[str, ...] = ()
     tensor_parallel_with: tuple[str, ...] = ("megatron",)
     pipelines_with: tuple[str, ...] = ("ours",)  # pipeline plugins whose stages run the ring (mesh.pp > 1)
@@ -401,20 +402,6 @@ class ContextParallel:
         grads = micro_steps * model_cfg.n_layers * cp
         return [CollectiveSpec("send_recv", "kv blocks", calls * kv * activation_bytes, calls, ("cp",), True),
                 CollectiveSpec("send_recv", "dkv blocks", grads * kv * 4, grads, ("cp",), True)]
-
-    def measure_communication(self, enabled: bool) -> None:
-        timer = getattr(self, "timer", None)
-        if timer is not None:
-            if enabled and not timer.enabled:
-                timer.reset()
-            timer.enabled = enabled
-
-    def step_metrics(self) -> dict[str, float]:
-        timer = getattr(self, "timer", None)
-        if timer is None or not timer.enabled:
-            return {}
-        m = timer.metrics()
-        return {"cp_comm_ms": m["comm_ms"], "cp_exposed_comm_ms": m["exposed_comm_ms"]}
 
 
 class RingContextParallel(ContextParallel):

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from core.distributed.checkpoint_boxes import Boxed
-from core.distributed.comm import CommTimer
+from core.distributed.comm import AxisCommTiming, CommTimer
 from core.distributed.mesh import ParallelMesh
 from core.distributed.strategy import CollectiveSpec, ModelLayout, expert_sharded_parameters
 from core.errors import ConfigError, require
@@ -149,13 +149,14 @@ class ExpertDispatcher:
         return back, shared_out
 
 
-class ExpertParallel:
+class ExpertParallel(AxisCommTiming):
     """Our expert parallelism (module docstring): shards the routed experts over mesh.ep and averages their
     gradients over the ranks holding the same experts. Nothing changes at mesh.ep = 1.
 
     overlap: launch the dispatch asynchronously and run the shared expert while it travels (false: blocking)."""
 
     name = "ours"
+    comm_axis = "ep"  # the all-to-alls and the expert gradient all-reduce
 
     def __init__(self, overlap: bool = True) -> None:
         self.overlap = bool(overlap)
@@ -246,20 +247,6 @@ class ExpertParallel:
             for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 g.copy_(synced)
         torch._foreach_div_(grads, float(self.dp))
-
-    def measure_communication(self, enabled: bool) -> None:
-        """Time the all-to-alls and the expert gradient all-reduce of the steps that follow."""
-        if self.timer is not None:
-            if enabled and not self.timer.enabled:
-                self.timer.reset()
-            self.timer.enabled = enabled
-
-    def step_metrics(self) -> dict[str, float]:
-        """ep_comm_ms / ep_exposed_comm_ms of the logged step (empty without expert parallelism)."""
-        if self.timer is None or not self.timer.enabled:
-            return {}
-        m = self.timer.metrics()
-        return {"ep_comm_ms": m.get("comm_ms", 0.0), "ep_exposed_comm_ms": m.get("exposed_comm_ms", 0.0)}
 
     # ---- the planner ----
     def collectives(self, mesh: ParallelMesh, model_cfg, micro_batch: int, seq_len: int, activation_bytes: int,

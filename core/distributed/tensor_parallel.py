@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from core.distributed.checkpoint_boxes import Boxed, as_checkpoint_entries, is_boxed
-from core.distributed.comm import CommTimer, all_gather_flat, reduce_scatter_flat
+from core.distributed.comm import AxisCommTiming, CommTimer, all_gather_flat, reduce_scatter_flat
 from core.distributed.mesh import ParallelMesh
 from core.distributed.strategy import CollectiveSpec
 from core.errors import ConfigError, require
@@ -281,13 +281,14 @@ class SequenceParallelRMSNorm(RMSNorm):
 
 
 # ---- the plugins ------------------------------------------------------------------------------------------
-class TensorParallel:
+class TensorParallel(AxisCommTiming):
     """Base of the `tensor_parallel` plugins. With `mesh.tp == 1` every plugin leaves the model as it is.
 
     `apply` shards a meta-device `TransformerLM` in place; the trainer's loss goes through `loss` inside
     `loss_context()` (forward and backward both)."""
 
     name = "none"
+    comm_axis = "tp"  # every tp collective is exposed: the regions wait for it
     composes_with: tuple[str, ...] = ()  # strategies (parallelism names) this plugin runs under when tp > 1
     checkpoints_with: tuple[str, ...] = ()  # those of them whose checkpoints hold every rank's shards
 
@@ -384,22 +385,6 @@ class TensorParallel:
 
     def finish_gradients(self, model: nn.Module) -> None:
         """Called once gradients are complete and synchronised, before clipping and the optimizer step."""
-
-    def measure_communication(self, enabled: bool) -> None:
-        """Time the tp collectives of the steps that follow (the trainer turns it on for the steps it logs)."""
-        timer = getattr(self, "timer", None)
-        if timer is not None:
-            if enabled and not timer.enabled:
-                timer.reset()
-            timer.enabled = enabled
-
-    def step_metrics(self) -> dict[str, float]:
-        """The tp axis's communication time of the measured steps (all of it exposed: the regions wait for it)."""
-        timer = getattr(self, "timer", None)
-        if timer is None or not timer.enabled:
-            return {}
-        m = timer.metrics()
-        return {"tp_comm_ms": m["comm_ms"], "tp_exposed_comm_ms": m["exposed_comm_ms"]}
 
 
 class MegatronTensorParallel(TensorParallel):
