@@ -191,6 +191,30 @@ def test_impossible_tensor_parallel_configs_are_one_line(overrides, key, words, 
     assert not list(tmp_path.rglob("summary.json"))  # refused before any run directory
 
 
+def _boxes_with_a_stage_only_key(rank, world, directory):
+    import torch.distributed.checkpoint as dcp
+
+    from core.distributed.checkpoint_boxes import Boxed, as_checkpoint_entries
+
+    full = torch.arange(12.0).reshape(4, 3)
+    head = torch.arange(6.0).reshape(2, 3) + 100
+    pieces = {"shared": Boxed((4, 3), torch.float32, [(full[2 * rank:2 * rank + 2].clone(), (2 * rank, 0))])}
+    if rank == 0:  # a tensor only this "stage" holds: rank 1 has no such key
+        pieces["stage0_only"] = Boxed((2, 3), torch.float32, [(head[:1].clone(), (0, 0)), (head[1:].clone(), (1, 0))])
+    dcp.save(as_checkpoint_entries(pieces), checkpoint_id=directory)
+    torch.distributed.barrier()
+    if rank == 0:  # read back whole, as one process would
+        whole = {"shared": torch.zeros(4, 3), "stage0_only": torch.zeros(2, 3)}
+        dcp.load(whole, checkpoint_id=directory, no_dist=True)
+        assert torch.equal(whole["shared"], full) and torch.equal(whole["stage0_only"], head)
+
+
+def test_boxes_of_a_tensor_only_some_ranks_hold_save_and_read_back_whole(tmp_path):
+    """Under pipeline parallelism a stage's tensors exist on its ranks only: the box exchange must not expect every
+    key on every rank (it did: the 3D fsdp x tp x pp save failed with a KeyError)."""
+    run_ranks(_boxes_with_a_stage_only_key, 2, args=(str(tmp_path / "ckpt"),))
+
+
 def test_rows_in_full_name_the_full_weight_rows_of_every_fsdp_shard():
     """Our FSDP's checkpoint boxes: rows [lo, hi) of a rank's tensor-parallel part, for every dp shard (here 3 of
     7, 7 and 6 rows, two of them straddling the fused qkv's q/k and k/v segments), are the full weight's pieces
