@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slurm
+# the local cluster is one node: jobs of two tests at once queue behind each other and miss their start deadlines,
+# so under pytest-xdist (--dist loadgroup) these tests run on one worker, one after another
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
 
 
 def _cluster_reason() -> str | None:
