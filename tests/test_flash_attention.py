@@ -282,7 +282,8 @@ def test_fused_grid_covers_both_tile_counts():
     assert ftl._grid("fused", 3, 70, 130, 32, 16) == (9, 3)    # 3 query tiles, 9 key tiles
     assert ftl._grid("fused", 3, 130, 70, 16, 32) == (9, 3)    # 9 query tiles, 3 key tiles
     assert ftl._grid("fused", 1, 1024, 1024, 64, 64) == (16, 1)
-    assert ftl._grid("dq", 3, 70, 0, 32, 16) == (3, 3) and ftl._grid("dkdv", 3, 130, 0, 32, 16) == (3, 9)
+    # one head-major dimension: batch x heads x tiles
+    assert ftl._grid("dq", 3, 70, 0, 32, 16) == (9,) and ftl._grid("dkdv", 3, 130, 0, 32, 16) == (27,)
 
 
 @needs_triton

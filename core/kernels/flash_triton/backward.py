@@ -14,8 +14,8 @@
 """
 from __future__ import annotations
 
-from core.kernels.flash_triton.common import (HAVE_TRITON, _load_rows, _lse_to_base2, _mm, _mma,  # noqa: F401
-                                              _store_rows, _store_stats, tl, triton)
+from core.kernels.flash_triton.common import (HAVE_TRITON, _head_major, _load_rows, _lse_to_base2,  # noqa: F401
+                                              _mm, _mma, _store_rows, _store_stats, tl, triton)
 
 if HAVE_TRITON:
     @triton.jit
@@ -110,8 +110,9 @@ if HAVE_TRITON:
                        n_heads, n_q, n_k, causal_off, qk_scale, sm_scale, SEQ_CLASS,
                        IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        pid_zh = tl.program_id(0)
-        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+        n_tiles = tl.cdiv(n_q, BLOCK_M)
+        pid_zh, tile = _head_major(n_tiles)
+        pid_m = n_tiles - 1 - tile  # heavy-first
         off_z = (pid_zh // n_heads).to(tl.int64)
         off_h = (pid_zh % n_heads).to(tl.int64)
         _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, STATS, pid_zh, off_z, off_h, pid_m * BLOCK_M,
@@ -269,8 +270,7 @@ if HAVE_TRITON:
                          IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                          DQ_TMA: tl.constexpr):
-        pid_zh = tl.program_id(0)
-        pid_n = tl.program_id(1)  # causal: early key tiles are seen by the most queries: first
+        pid_zh, pid_n = _head_major(tl.cdiv(n_k, BLOCK_N))  # causal: early key tiles (the most queries) first
         off_z = (pid_zh // n_heads).to(tl.int64)
         off_h = (pid_zh % n_heads).to(tl.int64)
         # the (base-2 logsumexp, delta) pairs come from the first backward launch (STATS); O is not read

@@ -63,6 +63,13 @@ if HAVE_TRITON:
         return x
 
     @triton.jit
+    def _head_major(n_tiles):
+        """(batch x head, tile) of this program in a 1-D grid ordered head by head, each head's tiles in
+        program order: the programs resident together share a head's operands in L2 (`launch._grid`)."""
+        pid = tl.program_id(0)
+        return pid // n_tiles, pid % n_tiles
+
+    @triton.jit
     def _lse_to_base2(lse):
         """Natural-log logsumexp to base 2 for exp2(s - lse2); rows that see no key (-inf) to +inf, so their
         masked scores (-inf) give p = 0 rather than NaN."""

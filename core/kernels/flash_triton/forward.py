@@ -11,8 +11,8 @@
 """
 from __future__ import annotations
 
-from core.kernels.flash_triton.common import (HAVE_TRITON, _load_rows, _mm, _mma, _store_rows,  # noqa: F401
-                                              tl, triton)
+from core.kernels.flash_triton.common import (HAVE_TRITON, _head_major, _load_rows, _mm, _mma,  # noqa: F401
+                                              _store_rows, tl, triton)
 
 if HAVE_TRITON:
     @triton.jit
@@ -123,9 +123,10 @@ if HAVE_TRITON:
                     n_heads, n_q, n_k, causal_off, qk_scale, SEQ_CLASS,
                     IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        pid_zh = tl.program_id(0)
+        n_tiles = tl.cdiv(n_q, BLOCK_M)
+        pid_zh, tile = _head_major(n_tiles)
         # heavy-first: the last query tiles (most keys under a causal mask) are launched first
-        start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+        start_m = (n_tiles - 1 - tile) * BLOCK_M
         acc, m_i, l_i = _fwd_rows(Q, K, V, pid_zh, start_m, 0, n_k,
                                   stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                                   stride_vz, stride_vh, stride_vn, n_heads, n_q, n_k, causal_off, qk_scale,

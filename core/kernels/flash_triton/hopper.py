@@ -304,8 +304,11 @@ if HAVE_GLUON:
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr, WS_REGS: gl.constexpr):
         gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
         gl.static_assert(PREFETCH < STAGES)
-        pid_zh = gl.program_id(0)
-        start_cta = gl.program_id(1) * (2 * BLOCK_N)
+        # head-major 1-D grid (launch._grid): the resident programs share one head's Q, dO and dQ rows in L2
+        n_blocks = gl.cdiv(n_k, 2 * BLOCK_N)
+        pid = gl.program_id(0)
+        pid_zh = pid // n_blocks
+        start_cta = (pid % n_blocks) * (2 * BLOCK_N)
         off_z = (pid_zh // n_heads).to(gl.int64)
         off_h = (pid_zh % n_heads).to(gl.int64)
         dtype: gl.constexpr = Q.dtype.element_ty
@@ -377,7 +380,7 @@ def launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_sc
     sq, sk, sv, sdo = q.stride(), k.stride(), v.stride(), do.stride()
     strides = (sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2])
     scalars = (h, n_q, n_k, z * h * n_q, causal_off, sm_scale * LOG2E, sm_scale)
-    # two warpgroups of 64 keys per program
-    _bwd_ws_kernel[(z * h, _cdiv(n_k, WS_KEYS))](
+    # two warpgroups of 64 keys per program, head by head
+    _bwd_ws_kernel[(z * h * _cdiv(n_k, WS_KEYS),)](
         q, k, v, do, dk, dv, stats, dq_acc, *strides, *scalars, IS_CAUSAL=is_causal, HEAD_DIM=q.shape[3],
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=WS_STAGES, PREFETCH=WS_PREFETCH, WS_REGS=WS_REGS, num_warps=4)
