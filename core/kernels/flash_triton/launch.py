@@ -111,7 +111,7 @@ def _run(raw, grid: tuple, args: tuple, n_tensors: int, **meta) -> None:
     stream = _current_stream(device)
     try:
         enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
-        kernel.run(grid[0], grid[1], grid[2] if len(grid) > 2 else 1, stream, kernel.function,
+        kernel.run(*grid, *(1,) * (3 - len(grid)), stream, kernel.function,
                    kernel.packed_metadata, kernel.launch_metadata(grid, stream, *full), enter, leave, *full)
     except (TypeError, AttributeError):  # another Triton's launcher or knobs: back to JITFunction.run for good
         _direct_ok = False
