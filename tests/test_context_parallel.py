@@ -6,15 +6,14 @@ gives one process's per-step losses and gradient norms; a cp2 checkpoint resumes
 impossible configurations are refused in one line."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.dist_utils import run_ranks
-from tests.utils import compose_cfg
+from tests.utils import (assert_refused_in_one_line, assert_resumes_like, checkpoint_at_step_2, compose_cfg,
+                         losses_by_step, resume_test_overrides)
 
 
 def _ring_worker(rank: int, world: int, kernels: tuple[str, ...] = ("flash_torch", "math"), device: str = "cpu",
@@ -241,31 +240,12 @@ def test_cp2_checkpoint_resumes_on_cp2_and_on_one_process(tmp_path):
     """Parameters are replicated over cp as over dp, so a cp2 run's checkpoint is its strategy's own (our fsdp's,
     sharded over dp x cp, by the whole model's names): resumed at step 2 on cp2 it continues bit for bit, and on one
     process (resume_allow_changes=[mesh,world_size]) with the uninterrupted run's step-3 loss."""
-    from tests.utils import read_metrics, read_summary, run_train
-
-    common = ["model=tiny", "model.n_layers=1", "data=synthetic", "data.seq_len=32", "train.batch_size=2",
-              "train.max_steps=3", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
-              "optimizer.warmup_steps=1", "logger=none", "mesh.device=cpu", "mesh.timeout_s=120",
-              "parallelism=fsdp", f"paths.output_root={tmp_path}"]
-
-    def losses(run_dir: Path) -> dict[int, float]:
-        return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
-
+    common = resume_test_overrides(tmp_path, "model.n_layers=1", "train.batch_size=2", "train.max_steps=3",
+                                   "parallelism=fsdp")
     first = tmp_path / "cp2"
-    run_train(common + ["mesh=dp1_cp2", "checkpoint.every=2"], first, timeout=600)
-    step2 = first / "checkpoints" / "step_000002"
-    assert (step2 / "dcp").is_dir(), sorted(p.name for p in step2.iterdir())
-    whole = losses(first)
-    for name, mesh in (("same", "mesh=dp1_cp2"), ("single", "mesh=single")):
-        run_dir = tmp_path / name
-        run_train(common + [mesh, f"resume={step2}", "resume_allow_changes=[mesh,world_size]"], run_dir, timeout=600)
-        assert read_summary(run_dir)["status"] == "ok"
-        resumed = losses(run_dir)
-        assert sorted(resumed) == [3], resumed
-        if name == "same":  # the same ranks doing the same arithmetic
-            assert resumed[3] == whole[3], (resumed, whole)
-        else:
-            assert abs(resumed[3] - whole[3]) <= 1e-4 * whole[3], (resumed, whole)
+    step2 = checkpoint_at_step_2(common + ["mesh=dp1_cp2"], first)
+    assert_resumes_like(losses_by_step(first), step2, common, {"same": ["mesh=dp1_cp2"], "single": ["mesh=single"]},
+                        tmp_path, steps=(3,), rtol=1e-4)
 
 
 REFUSED = [
@@ -292,12 +272,5 @@ def test_impossible_context_parallel_configs_are_refused(overrides, key, words, 
 
 
 def test_refusal_is_one_line_before_any_rank_starts(tmp_path):
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "train.py", "model=tiny", "data=synthetic", "mesh.device=cpu", "logger=none",
-           "mesh.cp=2", "data.seq_len=30", f"paths.output_root={tmp_path}"]
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: data.seq_len:") and "divisible by 4 (e.g. 32)" in lines[0], \
-        proc.stderr
-    assert not list(tmp_path.rglob("summary.json"))
+    assert_refused_in_one_line(["mesh.cp=2", "data.seq_len=30"], tmp_path, "error: data.seq_len:",
+                               "divisible by 4 (e.g. 32)")

@@ -18,6 +18,7 @@ import pytest
 
 from tests.dist_utils import run_ranks
 from tests.test_pipeline_parallel import COMMON, _reference
+from tests.utils import assert_resumes_like, checkpoint_at_step_2, losses_by_step, resume_test_overrides
 
 # mesh=dp2_pp2, train.batch_size=8: 4 sequences per dp rank, 2 micro-batches
 DP2_PP2 = {
@@ -177,54 +178,20 @@ def test_pp2_checkpoint_resumes_on_pp2_and_on_one_process(tmp_path):
     """A pp2 run saves each stage's parameters and AdamW state under the whole model's names (DCP); resumed at
     step 2 on pp2 it continues bit for bit, and on one process and on tp2 without a pipeline
     (resume_allow_changes=[mesh,world_size]) with the uninterrupted run's next losses."""
-    from tests.utils import read_metrics, read_summary, run_train
-
-    common = ["model=tiny", "model.n_layers=2", "data=synthetic", "data.seq_len=32", "train.batch_size=4",
-              "train.max_steps=4", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
-              "optimizer.warmup_steps=1", "logger=none", "mesh.device=cpu", "mesh.timeout_s=120",
-              "parallelism=none", f"paths.output_root={tmp_path}"]
-
-    def losses(run_dir: Path) -> dict[int, float]:
-        return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
-
+    common = resume_test_overrides(tmp_path, "model.n_layers=2", "train.batch_size=4", "train.max_steps=4",
+                                   "parallelism=none")
     first = tmp_path / "pp2"
-    run_train(common + ["mesh=dp1_pp2", "checkpoint.every=2"], first, timeout=600)
-    step2 = first / "checkpoints" / "step_000002"
-    assert (step2 / "dcp").is_dir(), sorted(p.name for p in step2.iterdir())
-    whole = losses(first)
-    for name, mesh in (("same", "mesh=dp1_pp2"), ("single", "mesh=single"), ("tp2", "mesh=dp1_tp2")):
-        run_dir = tmp_path / name
-        run_train(common + [mesh, f"resume={step2}", "resume_allow_changes=[mesh,world_size]"], run_dir, timeout=600)
-        assert read_summary(run_dir)["status"] == "ok"
-        resumed = losses(run_dir)
-        assert sorted(resumed) == [3, 4], resumed
-        for step in (3, 4):
-            if name == "same":  # the same ranks doing the same arithmetic
-                assert resumed[step] == whole[step], (name, step, resumed[step], whole[step])
-            else:
-                assert abs(resumed[step] - whole[step]) <= 1e-4 * whole[step], (name, step, resumed[step], whole[step])
+    step2 = checkpoint_at_step_2(common + ["mesh=dp1_pp2"], first)
+    targets = {"same": ["mesh=dp1_pp2"], "single": ["mesh=single"], "tp2": ["mesh=dp1_tp2"]}
+    assert_resumes_like(losses_by_step(first), step2, common, targets, tmp_path, steps=(3, 4), rtol=1e-4)
 
 
 def test_fsdp_pp2_checkpoint_resumes_without_pipeline(tmp_path):
     """Our fsdp under dp2 x pp2 saves each stage's row shards by the whole model's names; a dp2 run without a
     pipeline resumes from it with the uninterrupted run's next losses."""
-    from tests.utils import read_metrics, read_summary, run_train
-
-    common = ["model=tiny", "model.n_layers=2", "data=synthetic", "data.seq_len=32", "train.batch_size=4",
-              "train.max_steps=3", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
-              "optimizer.warmup_steps=1", "logger=none", "mesh.device=cpu", "mesh.timeout_s=120",
-              "parallelism=fsdp", "pipeline.microbatches=2", f"paths.output_root={tmp_path}"]
-
-    def losses(run_dir: Path) -> dict[int, float]:
-        return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
-
+    common = resume_test_overrides(tmp_path, "model.n_layers=2", "train.batch_size=4", "train.max_steps=3",
+                                   "parallelism=fsdp", "pipeline.microbatches=2")
     first = tmp_path / "dp2_pp2"
-    run_train(common + ["mesh=dp2_pp2", "checkpoint.every=2"], first, timeout=600)
-    step2 = first / "checkpoints" / "step_000002"
-    whole = losses(first)
-    run_dir = tmp_path / "dp2"
-    run_train(common + ["mesh=dp2", f"resume={step2}", "resume_allow_changes=[mesh,world_size]"], run_dir, timeout=600)
-    assert read_summary(run_dir)["status"] == "ok"
-    resumed = losses(run_dir)
-    assert sorted(resumed) == [3], resumed
-    assert abs(resumed[3] - whole[3]) <= 1e-4 * whole[3], (resumed[3], whole[3])
+    step2 = checkpoint_at_step_2(common + ["mesh=dp2_pp2"], first, require_dcp=False)
+    assert_resumes_like(losses_by_step(first), step2, common, {"dp2": ["mesh=dp2"]}, tmp_path, steps=(3,),
+                        rtol=1e-4)

@@ -8,8 +8,6 @@ Every configuration is built by the real trainer (`core.trainer.build` on a comp
 several configurations one after another (starting ranks costs seconds)."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ import torch
 from core.distributed.pipeline import schedule_ops, stage_layers
 from core.errors import ConfigError
 from tests.dist_utils import run_ranks
-from tests.utils import compose_cfg
+from tests.utils import assert_refused_in_one_line, compose_cfg
 
 STEPS = 3
 # 4 blocks: each of 2 stages keeps 2, so dropped blocks sit before and after the kept ones
@@ -291,14 +289,7 @@ def test_unsupported_pipeline_configs_are_refused(overrides, key, tmp_path):
 
 
 def test_refusal_is_one_line_with_exit_code_2(tmp_path):
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "train.py", "model=tiny", "data=synthetic", "mesh.device=cpu", "logger=none",
-           "mesh=dp1_pp2", "model.n_layers=3", f"paths.output_root={tmp_path}"]
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: mesh.pp:") and "n_layers=3" in lines[0], proc.stderr
-    assert not list(tmp_path.rglob("summary.json"))
+    assert_refused_in_one_line(["mesh=dp1_pp2", "model.n_layers=3"], tmp_path, "error: mesh.pp:", "n_layers=3")
 
 
 def test_planner_counts_one_stage_the_bubble_and_the_schedules_activations():

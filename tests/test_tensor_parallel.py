@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import itertools
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.dist_utils import run_ranks
-from tests.utils import compose_cfg
+from tests.utils import (assert_refused_in_one_line, assert_resumes_like, checkpoint_at_step_2, compose_cfg,
+                         losses_by_step, read_metrics, read_summary, resume_test_overrides)
 
 STEPS = 3
 # GQA (2 KV heads for 4 query heads) so grouped KV heads are split too; 32 tokens so sequence parallelism splits them
@@ -181,14 +180,7 @@ def test_planner_tensor_parallel_terms_match_a_real_step(tmp_path):
     (["mesh.tp=2", "tensor_parallel=dtensor", "checkpoint.every=2"], "checkpoint", "not implemented yet"),
 ])
 def test_impossible_tensor_parallel_configs_are_one_line(overrides, key, words, tmp_path):
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "train.py", "model=tiny", "data=synthetic", "mesh.device=cpu", "logger=none",
-           f"paths.output_root={tmp_path}", *overrides]
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"error: {key}:") and words in lines[0], proc.stderr
-    assert not list(tmp_path.rglob("summary.json"))  # refused before any run directory
+    assert_refused_in_one_line(overrides, tmp_path, f"error: {key}:", words)
 
 
 def _boxes_with_a_stage_only_key(rank, world, directory):
@@ -242,12 +234,6 @@ def test_rows_in_full_name_the_full_weight_rows_of_every_fsdp_shard():
             assert len(rows_in_full(module, 7, 14)) == (2 if isinstance(module, ColumnParallelLinear) else 1)
 
 
-def _losses(run_dir: Path) -> dict[int, float]:
-    from tests.utils import read_metrics
-
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
-
-
 @pytest.mark.parametrize("strategy, source, targets", [("ddp_bucketed", "dp1_tp2", ("same", "dp2", "single")),
                                                        ("zero1", "dp1_tp2", ("dp2",)),
                                                        ("fsdp", "dp2_tp2", ("dp4", "dp2"))])
@@ -257,39 +243,20 @@ def test_checkpoint_resumes_on_another_mesh_shape(strategy, source, targets, tmp
     exactly on its own mesh, and on other shapes with the next steps' losses of the uninterrupted run (the step
     after the resume checks the weights, the one after it the AdamW moments): dp1 x tp2 -> dp2 (2 ranks, no tp)
     and -> one process; fsdp dp2 x tp2 -> dp4 and -> dp2 (tp2 -> tp1)."""
-    from tests.utils import read_summary, run_train
-
-    common = ["model=tiny", "model.n_kv_heads=2", "model.n_layers=2", "data=synthetic", "data.seq_len=32",
-              "train.batch_size=4", "train.max_steps=4", "train.log_every=1", "train.eval_every=0",
-              "train.eval_batches=1", "optimizer.warmup_steps=1", "logger=none", "mesh.device=cpu",
-              "mesh.timeout_s=120", f"parallelism={strategy}", f"paths.output_root={tmp_path}"]
+    common = resume_test_overrides(tmp_path, "model.n_kv_heads=2", "model.n_layers=2", "train.batch_size=4",
+                                   "train.max_steps=4", f"parallelism={strategy}")
     first = tmp_path / "tp2"
-    run_train(common + [f"mesh={source}", "checkpoint.every=2"], first, timeout=600)
-    step2 = first / "checkpoints" / "step_000002"
-    assert (step2 / "dcp").is_dir(), sorted(p.name for p in step2.iterdir())
-    whole = _losses(first)
+    step2 = checkpoint_at_step_2(common + [f"mesh={source}"], first)
+    whole = losses_by_step(first)
     # the logged steps time each mesh axis's communication: tp's collectives run inline, all of them exposed
-    from tests.utils import read_metrics
-
     rows = [r for r in read_metrics(first) if "loss" in r]
     for r in rows:
         assert r["tp_comm_ms"] > 0 and r["tp_exposed_comm_ms"] == r["tp_comm_ms"], r
         assert r["comm_ms"] == r["dp_comm_ms"] + r["tp_comm_ms"], r
     assert read_summary(first)["tp_comm_ms"] > 0
-    allow = "resume_allow_changes=[mesh,world_size]"
     meshes = {"same": [f"mesh={source}"], "dp2": ["mesh=dp2"], "dp4": ["mesh=dp4"], "single": ["mesh=single"]}
-    for name in targets:
-        mesh = meshes[name]
-        run_dir = tmp_path / name
-        run_train(common + mesh + [f"resume={step2}", allow], run_dir, timeout=600)
-        assert read_summary(run_dir)["status"] == "ok"
-        resumed = _losses(run_dir)
-        assert sorted(resumed) == [3, 4], resumed
-        for step in (3, 4):
-            if name == "same":  # the same ranks doing the same arithmetic: bit for bit
-                assert resumed[step] == whole[step], (name, step, resumed[step], whole[step])
-            else:
-                assert abs(resumed[step] - whole[step]) <= 1e-5 * whole[step], (name, step, resumed[step], whole[step])
+    assert_resumes_like(whole, step2, common, {name: meshes[name] for name in targets}, tmp_path, steps=(3, 4),
+                        rtol=1e-5)
 
 
 def test_mesh_change_is_refused_for_a_checkpoint_that_cannot_reshard(tmp_path):

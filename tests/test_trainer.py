@@ -3,14 +3,13 @@ import glob
 import json
 import statistics
 import struct
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
 from launchers.job import run_job
-from tests.utils import FAST, compose_cfg, read_metrics, read_summary, run_train
+from tests.utils import FAST, compose_cfg, losses_by_step, read_metrics, read_summary, run_train
 
 
 def test_default_run_learns(tmp_path):
@@ -28,10 +27,6 @@ def test_default_run_learns(tmp_path):
         assert key in rows[-2], key
 
 
-def _losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
-
-
 def test_resume_continues_exactly(tmp_path):
     """N steps, stop, resume N more == 2N uninterrupted steps, loss for loss (bitwise)."""
     common = FAST + ["train.max_steps=8", "train.log_every=1", "train.eval_every=0", "train.batch_size=4",
@@ -42,7 +37,7 @@ def test_resume_continues_exactly(tmp_path):
     assert read_summary(parts)["status"] == "stopped"
     assert (parts / "checkpoints" / "step_000004" / "trainer.pt").is_file()
     run_job(compose_cfg(common + ["resume=auto"], parts))
-    a, b = _losses(whole), _losses(parts)
+    a, b = losses_by_step(whole), losses_by_step(parts)
     assert sorted(a) == list(range(1, 9))
     assert [b[s] for s in range(5, 9)] == [a[s] for s in range(5, 9)]
 

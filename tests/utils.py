@@ -43,3 +43,62 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def read_summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    """Each logged training step's loss by step number (rows without a loss, e.g. evaluations, are skipped; a step
+    logged twice keeps its last row's loss)."""
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def resume_test_overrides(output_root: Path, *extra: str) -> list[str]:
+    """The checkpoint-resume tests' shared overrides: the tiny model on synthetic 32-token sequences, every step's
+    loss logged, no evaluation, one warm-up step, CPU ranks, quiet; then `extra` (layers, batch, steps, strategy)
+    and `output_root`."""
+    return ["model=tiny", "data=synthetic", "data.seq_len=32", "train.log_every=1", "train.eval_every=0",
+            "train.eval_batches=1", "optimizer.warmup_steps=1", "logger=none", "mesh.device=cpu", "mesh.timeout_s=120",
+            *extra, f"paths.output_root={output_root}"]
+
+
+def checkpoint_at_step_2(overrides: list[str], run_dir: Path, require_dcp: bool = True) -> Path:
+    """Train `overrides` (via train.py) into `run_dir`, saving every 2 steps; the step-2 checkpoint's directory,
+    asserted to hold a torch.distributed.checkpoint (`dcp/`) when `require_dcp`."""
+    run_train(overrides + ["checkpoint.every=2"], run_dir, timeout=600)
+    step2 = run_dir / "checkpoints" / "step_000002"
+    if require_dcp:
+        assert (step2 / "dcp").is_dir(), sorted(p.name for p in step2.iterdir())
+    return step2
+
+
+def assert_resumes_like(whole: dict[int, float], checkpoint: Path, common: list[str],
+                        targets: dict[str, list[str]], tmp_path: Path, steps: tuple[int, ...], rtol: float,
+                        exact: tuple[str, ...] = ("same",)) -> None:
+    """Resume `checkpoint` once per target (`common` + its overrides, mesh and world size allowed to change, in
+    `tmp_path / name`): each run ends ok, logs exactly `steps`, and has the uninterrupted run's losses `whole` on
+    them: bit for bit for the targets named in `exact` (the same ranks doing the same arithmetic), within `rtol`
+    relative for the others."""
+    for name, overrides in targets.items():
+        run_dir = tmp_path / name
+        run_train(common + overrides + [f"resume={checkpoint}", "resume_allow_changes=[mesh,world_size]"], run_dir,
+                  timeout=600)
+        assert read_summary(run_dir)["status"] == "ok"
+        resumed = losses_by_step(run_dir)
+        assert sorted(resumed) == list(steps), resumed
+        for step in steps:
+            if name in exact:
+                assert resumed[step] == whole[step], (name, step, resumed[step], whole[step])
+            else:
+                assert abs(resumed[step] - whole[step]) <= rtol * whole[step], (name, step, resumed[step], whole[step])
+
+
+def assert_refused_in_one_line(overrides: list[str], output_root: Path, starts: str, *words: str) -> None:
+    """`python train.py model=tiny data=synthetic mesh.device=cpu logger=none overrides...` exits 2 with one stderr
+    line that starts with `starts` and contains every one of `words`, before any run directory is written under
+    `output_root`."""
+    cmd = [sys.executable, "train.py", "model=tiny", "data=synthetic", "mesh.device=cpu", "logger=none", *overrides,
+           f"paths.output_root={output_root}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(starts) and all(w in lines[0] for w in words), proc.stderr
+    assert not list(output_root.rglob("summary.json"))  # refused before any run directory
