@@ -54,9 +54,10 @@ def _part_rows(ft, q, k, v, g) -> list:
     from core.kernels.flash_triton import common, forward, tuning
     fwd_args = (qd, kd, vd, o, lse, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
                 h, n, n, 0, common.LOG2E / d ** 0.5, tuning._seq_class(n, z * h))
-    meta = dict(IS_CAUSAL=True, HEAD_DIM=d, BLOCK_D=common._BLOCK_D[d], BLOCK_M=64, BLOCK_N=64, num_warps=4,
+    block_d, tail_d = common._TILE_D[d]
+    meta = dict(IS_CAUSAL=True, HEAD_DIM=d, BLOCK_D=block_d, TAIL_D=tail_d, BLOCK_M=64, BLOCK_N=64, num_warps=4,
                 num_stages=3)
-    grid = (z * h, -(-n // 64))
+    grid = (z * h * -(-n // 64),)
     jit = forward._fwd_kernel
     kernel = jit.run(*fwd_args, grid=grid, warmup=False, **meta)
     rows = [("parts: fwd kernel via JITFunction.run", "fwd+bwd",
@@ -69,7 +70,7 @@ def _part_rows(ft, q, k, v, g) -> list:
         vals = tuple(bound.values())
         stream = driver.active.get_current_stream(dev)
         rows.append(("parts: fwd kernel via CompiledKernel.run", "fwd+bwd",
-                     lambda: kernel.run(grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata,
+                     lambda: kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata,
                                         None, None, None, *vals)))
         rows.append(("parts: binder alone", "fwd+bwd", lambda: binder(*fwd_args, **meta)))
     except Exception as e:  # noqa: BLE001 - internals differ between Triton versions

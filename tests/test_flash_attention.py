@@ -242,6 +242,29 @@ def test_split_kv_forward(split_keys, n_q, n_k, causal, dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("merge", ["in_kernel", "separate"])
+def test_split_kv_forward_with_a_tail_head_dim(merge):
+    """d = 80 is tiled as 64 columns and a 16-column tail (`_tile_d`): the split forward's partial rows carry both
+    parts through the merge (against float64, outputs poisoned, N_q != N_k, causal)."""
+    cfg = FlashConfig(poison_outputs=True, split_keys=40, split_merge=merge)
+    torch.manual_seed(13)
+    q, k, v = make_qkv((1, 2, 70, 80), 130, torch.float32)
+    out, lse = flash_attention_with_lse(q.detach(), k.detach(), v.detach(), True, cfg)
+    ref, ref_lse = reference_attention(*(x.detach().double() for x in (q, k, v)), True)
+    assert (lse.double() - ref_lse).abs().max() < 1e-3
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_head_dim_tiles():
+    """A head dim is one power-of-two tile unless a power-of-two part and a smaller tail cover it in fewer
+    columns (the matmuls then skip the padding): 80 = 64 + 16, 96 = 64 + 32, 48 = 32 + 16, 160 = 128 + 32."""
+    from core.kernels.flash_triton.common import _tile_d
+    assert {d: _tile_d(d) for d in (8, 16, 24, 48, 64, 80, 96, 100, 128, 160, 256)} == {
+        8: (16, 0), 16: (16, 0), 24: (32, 0), 48: (32, 16), 64: (64, 0), 80: (64, 16), 96: (64, 32), 100: (128, 0),
+        128: (128, 0), 160: (128, 32), 256: (256, 0)}
+
+
+@needs_triton
 @pytest.mark.parametrize("one_loop", [True, False], ids=["one_loop", "two_loops"])
 def test_split_kv_merge_in_kernel_matches_two_launches(one_loop):
     """The one-launch split-KV forward (the split that arrives last merges, in split order) gives the two-launch

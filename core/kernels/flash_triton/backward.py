@@ -14,37 +14,38 @@
 """
 from __future__ import annotations
 
-from core.kernels.flash_triton.common import (HAVE_TRITON, _head_major, _load_rows, _lse_to_base2,  # noqa: F401
-                                              _mm, _mma, _store_rows, _store_stats, tl, triton)
+from core.kernels.flash_triton.common import (HAVE_TRITON, _head_major, _load_parts, _load_rows,  # noqa: F401
+                                              _lse_to_base2, _mm, _mm_parts, _mma, _row_dot, _store_parts,
+                                              _store_rows, _store_stats, _tail_cols, tl, triton)
 
 if HAVE_TRITON:
     @triton.jit
-    def _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
-                      offs_m, offs_n0, offs_d, lo, hi, n_k, causal_off, qk_scale,
+    def _bwd_dq_inner(dq, dq1, q, q1, do, do1, lse2, delta, k_base, v_base, stride_kn, stride_vn,
+                      offs_m, offs_n0, offs_d, offs_t, lo, hi, n_k, causal_off, qk_scale,
                       MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr):
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + offs_n0
-            k = _load_rows(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, n_k, offs_d,
-                           HEAD_DIM, BLOCK_D, MASKED)
-            v = _load_rows(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, n_k, offs_d,
-                           HEAD_DIM, BLOCK_D, MASKED)
-            s = _mm(q, tl.trans(k)) * qk_scale
-            if BLOCK_D <= 64:
+            k, k1 = _load_parts(k_base, offs_n, stride_kn, n_k, offs_d, offs_t, HEAD_DIM, BLOCK_D, TAIL_D, MASKED)
+            v, v1 = _load_parts(v_base, offs_n, stride_vn, n_k, offs_d, offs_t, HEAD_DIM, BLOCK_D, TAIL_D, MASKED)
+            s = _mm_parts(q, tl.trans(k), q1, tl.trans(k1), TAIL_D) * qk_scale
+            if BLOCK_D + TAIL_D <= 64:
                 # dP issued before the exponentials, which ptxas then schedules while it runs on the tensor
                 # cores (3% faster on an H100 at d = 64; at d = 128 the extra live tile spills: 3-8% slower)
-                dp = _mm(do, tl.trans(v))
+                dp = _mm_parts(do, tl.trans(v), do1, tl.trans(v1), TAIL_D)
             if MASKED:
                 valid = offs_n[None, :] < n_k
                 if IS_CAUSAL:
                     valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
                 s = tl.where(valid, s, float("-inf"))
             p = tl.math.exp2(s - lse2[:, None])
-            if BLOCK_D > 64:
-                dp = _mm(do, tl.trans(v))
+            if BLOCK_D + TAIL_D > 64:
+                dp = _mm_parts(do, tl.trans(v), do1, tl.trans(v1), TAIL_D)
             ds = p * (dp - delta[:, None])
             dq = _mma(ds.to(k.dtype), k, dq)
-        return dq
+            if TAIL_D > 0:
+                dq1 = _mma(ds.to(k1.dtype), k1, dq1)
+        return dq, dq1
 
     @triton.jit
     def _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, STATS, pid_zh, off_z, off_h, start_m,
@@ -55,7 +56,7 @@ if HAVE_TRITON:
                      stride_doz, stride_doh, stride_dom,
                      stride_dqz, stride_dqh, stride_dqm,
                      n_q, n_k, causal_off, qk_scale, sm_scale,
-                     IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_STATS: tl.constexpr):
         """dQ of the BLOCK_M query rows from start_m: one walk over the key tiles they see.
 
@@ -67,13 +68,14 @@ if HAVE_TRITON:
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_n0 = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        q = _load_rows(Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
-                       offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
-        do = _load_rows(DO + off_z * stride_doz + off_h * stride_doh + offs_m[:, None] * stride_dom
-                        + offs_d[None, :], offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
-        o = _load_rows(O + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
-                       offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
-        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)          # D_i = rowsum(dO * O)
+        offs_t = _tail_cols(offs_d, BLOCK_D, TAIL_D)
+        q, q1 = _load_parts(Q + off_z * stride_qz + off_h * stride_qh, offs_m, stride_qm, n_q, offs_d, offs_t,
+                            HEAD_DIM, BLOCK_D, TAIL_D, True)
+        do, do1 = _load_parts(DO + off_z * stride_doz + off_h * stride_doh, offs_m, stride_dom, n_q, offs_d, offs_t,
+                              HEAD_DIM, BLOCK_D, TAIL_D, True)
+        o, o1 = _load_parts(O + off_z * stride_oz + off_h * stride_oh, offs_m, stride_om, n_q, offs_d, offs_t,
+                            HEAD_DIM, BLOCK_D, TAIL_D, True)
+        delta = _row_dot(do, o, do1, o1, TAIL_D)                         # D_i = rowsum(dO * O)
         row = pid_zh.to(tl.int64) * n_q + offs_m
         lse = tl.load(LSE + row, mask=offs_m < n_q, other=float("inf"))
         lse2 = _lse_to_base2(lse)
@@ -81,6 +83,7 @@ if HAVE_TRITON:
             _store_stats(STATS, row, lse2, delta, offs_m < n_q)
 
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        dq1 = tl.zeros_like(q1).to(tl.float32)
         n_full = (n_k // BLOCK_N) * BLOCK_N
         if IS_CAUSAL:
             full_hi = (tl.maximum(start_m + causal_off + 1, 0) // BLOCK_N) * BLOCK_N
@@ -89,15 +92,15 @@ if HAVE_TRITON:
         else:
             full_hi = n_full
             hi = n_k
-        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
-                           offs_m, offs_n0, offs_d, 0, full_hi, n_k, causal_off, qk_scale,
-                           False, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D)
-        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
-                           offs_m, offs_n0, offs_d, full_hi, hi, n_k, causal_off, qk_scale,
-                           True, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D)
-        dq = dq * sm_scale
-        _store_rows(DQ + off_z * stride_dqz + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
-                    dq.to(DQ.dtype.element_ty), offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
+        dq, dq1 = _bwd_dq_inner(dq, dq1, q, q1, do, do1, lse2, delta, k_base, v_base, stride_kn, stride_vn,
+                                offs_m, offs_n0, offs_d, offs_t, 0, full_hi, n_k, causal_off, qk_scale,
+                                False, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, TAIL_D)
+        dq, dq1 = _bwd_dq_inner(dq, dq1, q, q1, do, do1, lse2, delta, k_base, v_base, stride_kn, stride_vn,
+                                offs_m, offs_n0, offs_d, offs_t, full_hi, hi, n_k, causal_off, qk_scale,
+                                True, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, TAIL_D)
+        _store_parts(DQ + off_z * stride_dqz + off_h * stride_dqh, offs_m, stride_dqm, n_q, offs_d, offs_t,
+                     (dq * sm_scale).to(DQ.dtype.element_ty), (dq1 * sm_scale).to(DQ.dtype.element_ty),
+                     HEAD_DIM, BLOCK_D, TAIL_D)
 
     # SEQ_CLASS is a tuning key only and n_heads only divides program ids: neither is specialized, so a
     # new sequence class or head count (1 vs 16) reuses the compiled kernel
@@ -109,7 +112,7 @@ if HAVE_TRITON:
                        stride_doz, stride_doh, stride_dom,
                        n_heads, n_q, n_k, causal_off, qk_scale, sm_scale, SEQ_CLASS,
                        IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       TAIL_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         n_tiles = tl.cdiv(n_q, BLOCK_M)
         pid_zh, tile = _head_major(n_tiles)
         pid_m = n_tiles - 1 - tile  # heavy-first
@@ -120,21 +123,20 @@ if HAVE_TRITON:
                      stride_vz, stride_vh, stride_vn, stride_qz, stride_qh, stride_qm,
                      stride_doz, stride_doh, stride_dom, stride_qz, stride_qh, stride_qm,
                      n_q, n_k, causal_off, qk_scale, sm_scale,
-                     IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True)
+                     IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N, True)
 
     @triton.jit
-    def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, o_base, stride_qm, stride_dom, stride_om,
+    def _bwd_dkdv_inner(dk, dk1, dv, dv1, k, k1, v, v1, q_base, do_base, o_base, stride_qm, stride_dom, stride_om,
                         stats_base, dq_base, stride_dqm, sm_scale,
-                        offs_n, offs_m0, offs_d, lo, hi, n_q, causal_off, qk_scale,
+                        offs_n, offs_m0, offs_d, offs_t, lo, hi, n_q, causal_off, qk_scale,
                         MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                        DELTA_FROM_O: tl.constexpr, dq_desc, DQ_TMA: tl.constexpr):
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                        DELTA_FROM_O: tl.constexpr, dq_desc, dq_desc1, DQ_TMA: tl.constexpr):
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_m0
-            q = _load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, n_q, offs_d,
-                           HEAD_DIM, BLOCK_D, MASKED)
-            do = _load_rows(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, n_q, offs_d,
-                            HEAD_DIM, BLOCK_D, MASKED)
+            q, q1 = _load_parts(q_base, offs_m, stride_qm, n_q, offs_d, offs_t, HEAD_DIM, BLOCK_D, TAIL_D, MASKED)
+            do, do1 = _load_parts(do_base, offs_m, stride_dom, n_q, offs_d, offs_t, HEAD_DIM, BLOCK_D, TAIL_D,
+                                  MASKED)
             if DELTA_FROM_O:
                 # fused backward: stats_base is the natural-log logsumexp, and delta = rowsum(dO * O) of
                 # this query tile is recomputed from its O tile (one more tile load per step instead of a
@@ -144,9 +146,9 @@ if HAVE_TRITON:
                 else:
                     lse = tl.load(stats_base + offs_m)
                 lse2 = _lse_to_base2(lse)
-                o = _load_rows(o_base + offs_m[:, None] * stride_om + offs_d[None, :], offs_m, n_q, offs_d,
-                               HEAD_DIM, BLOCK_D, MASKED)
-                delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+                o, o1 = _load_parts(o_base, offs_m, stride_om, n_q, offs_d, offs_t, HEAD_DIM, BLOCK_D, TAIL_D,
+                                    MASKED)
+                delta = _row_dot(do, o, do1, o1, TAIL_D)
             else:
                 # (base-2 logsumexp, delta) pairs from the first launch: one 8-byte load per row, where two
                 # separate vectors cost twice the loads and shared-memory round trips per tile (each thread
@@ -157,9 +159,9 @@ if HAVE_TRITON:
                 else:
                     stats = tl.load(stats_ptrs)
                 lse2, delta = tl.split(stats)
-            s_t = _mm(k, tl.trans(q)) * qk_scale                   # (BLOCK_N, BLOCK_M) = S^T
-            if BLOCK_D <= 64:  # dP^T overlaps the exponentials (as in the dQ pass)
-                dp_t = _mm(v, tl.trans(do))
+            s_t = _mm_parts(k, tl.trans(q), k1, tl.trans(q1), TAIL_D) * qk_scale   # (BLOCK_N, BLOCK_M) = S^T
+            if BLOCK_D + TAIL_D <= 64:  # dP^T overlaps the exponentials (as in the dQ pass)
+                dp_t = _mm_parts(v, tl.trans(do), v1, tl.trans(do1), TAIL_D)
             if MASKED:
                 valid = offs_m[None, :] < n_q
                 if IS_CAUSAL:
@@ -167,10 +169,14 @@ if HAVE_TRITON:
                 s_t = tl.where(valid, s_t, float("-inf"))
             p_t = tl.math.exp2(s_t - lse2[None, :])
             dv = _mma(p_t.to(do.dtype), do, dv)
-            if BLOCK_D > 64:
-                dp_t = _mm(v, tl.trans(do))
+            if TAIL_D > 0:
+                dv1 = _mma(p_t.to(do1.dtype), do1, dv1)
+            if BLOCK_D + TAIL_D > 64:
+                dp_t = _mm_parts(v, tl.trans(do), v1, tl.trans(do1), TAIL_D)
             ds_t = p_t * (dp_t - delta[None, :])
             dk = _mma(ds_t.to(q.dtype), q, dk)
+            if TAIL_D > 0:
+                dk1 = _mma(ds_t.to(q1.dtype), q1, dk1)
             if ATOMIC_DQ:
                 # this key tile's share of dQ = dS K, added into an fp32 buffer: 5 matmuls per tile
                 # instead of the two-pass scheme's 7 (it recomputes S and dP for dQ)
@@ -186,7 +192,14 @@ if HAVE_TRITON:
                                   sem="relaxed")
                 else:
                     tl.atomic_add(dq_ptrs, dq_part, sem="relaxed")
-        return dk, dv
+                if TAIL_D > 0:
+                    dq_part1 = _mm(tl.trans(ds_t.to(k1.dtype)), k1) * sm_scale
+                    if DQ_TMA:
+                        dq_desc1.atomic_add([start_m, BLOCK_D], dq_part1)
+                    else:
+                        tl.atomic_add(dq_base + offs_m[:, None] * stride_dqm + offs_t[None, :], dq_part1,
+                                      mask=(offs_m[:, None] < n_q) & (offs_t[None, :] < HEAD_DIM), sem="relaxed")
+        return dk, dk1, dv, dv1
 
     @triton.jit
     def _bwd_dkdv_tile(Q, K, V, O, DO, DK, DV, STATS, DQ_ACC, pid_zh, off_z, off_h, start_n,
@@ -198,7 +211,7 @@ if HAVE_TRITON:
                        stride_dkz, stride_dkh, stride_dkn,
                        stride_dvz, stride_dvh, stride_dvn,
                        n_q, n_k, causal_off, qk_scale, sm_scale,
-                       IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                       IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                        DELTA_FROM_O: tl.constexpr, DQ_TMA: tl.constexpr):
         """dK, dV of the BLOCK_N keys from start_n: one walk over the query tiles that see them, in three
@@ -216,17 +229,25 @@ if HAVE_TRITON:
         if ATOMIC_DQ and DQ_TMA:  # this head's (N_q, d) slice of the fp32 dQ buffer, for bulk reductions
             dq_desc = tl.make_tensor_descriptor(dq_base, shape=[n_q, HEAD_DIM], strides=[HEAD_DIM, 1],
                                                 block_shape=[BLOCK_M, BLOCK_D])
+            dq_desc1 = dq_desc
+            if TAIL_D > 0:  # the tail columns' tiles
+                dq_desc1 = tl.make_tensor_descriptor(dq_base, shape=[n_q, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                                     block_shape=[BLOCK_M, TAIL_D])
         else:
             dq_desc = dq_base  # unused
+            dq_desc1 = dq_base
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_m0 = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
-        k = _load_rows(K + off_z * stride_kz + off_h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
-                       offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
-        v = _load_rows(V + off_z * stride_vz + off_h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
-                       offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
+        offs_t = _tail_cols(offs_d, BLOCK_D, TAIL_D)
+        k, k1 = _load_parts(K + off_z * stride_kz + off_h * stride_kh, offs_n, stride_kn, n_k, offs_d, offs_t,
+                            HEAD_DIM, BLOCK_D, TAIL_D, True)
+        v, v1 = _load_parts(V + off_z * stride_vz + off_h * stride_vh, offs_n, stride_vn, n_k, offs_d, offs_t,
+                            HEAD_DIM, BLOCK_D, TAIL_D, True)
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dk1 = tl.zeros_like(k1).to(tl.float32)
+        dv1 = tl.zeros_like(v1).to(tl.float32)
 
         m_full = (n_q // BLOCK_M) * BLOCK_M  # query tiles with no ragged end
         m_pad = tl.cdiv(n_q, BLOCK_M) * BLOCK_M
@@ -239,24 +260,27 @@ if HAVE_TRITON:
         else:
             lo = 0
             full_lo = 0
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, o_base, stride_qm, stride_dom, stride_om,
-                                 stats_base, dq_base, HEAD_DIM, sm_scale,
-                                 offs_n, offs_m0, offs_d, lo, full_lo, n_q, causal_off, qk_scale,
-                                 True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ, DELTA_FROM_O, dq_desc, DQ_TMA)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, o_base, stride_qm, stride_dom, stride_om,
-                                 stats_base, dq_base, HEAD_DIM, sm_scale,
-                                 offs_n, offs_m0, offs_d, full_lo, m_full, n_q, causal_off, qk_scale,
-                                 False, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ, DELTA_FROM_O, dq_desc, DQ_TMA)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, o_base, stride_qm, stride_dom, stride_om,
-                                 stats_base, dq_base, HEAD_DIM, sm_scale,
-                                 offs_n, offs_m0, offs_d, tl.maximum(full_lo, m_full), m_pad, n_q, causal_off,
-                                 qk_scale, True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, ATOMIC_DQ, DELTA_FROM_O,
-                                 dq_desc, DQ_TMA)
-        dk = dk * sm_scale
-        _store_rows(DK + off_z * stride_dkz + off_h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
-                    dk.to(DK.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
-        _store_rows(DV + off_z * stride_dvz + off_h * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
-                    dv.to(DV.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
+        # three ranges: the masked diagonal tiles, the unmasked ones, the masked ragged end
+        dk, dk1, dv, dv1 = _bwd_dkdv_inner(dk, dk1, dv, dv1, k, k1, v, v1, q_base, do_base, o_base, stride_qm,
+                                           stride_dom, stride_om, stats_base, dq_base, HEAD_DIM, sm_scale,
+                                           offs_n, offs_m0, offs_d, offs_t, lo, full_lo, n_q, causal_off, qk_scale,
+                                           True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, TAIL_D, ATOMIC_DQ,
+                                           DELTA_FROM_O, dq_desc, dq_desc1, DQ_TMA)
+        dk, dk1, dv, dv1 = _bwd_dkdv_inner(dk, dk1, dv, dv1, k, k1, v, v1, q_base, do_base, o_base, stride_qm,
+                                           stride_dom, stride_om, stats_base, dq_base, HEAD_DIM, sm_scale,
+                                           offs_n, offs_m0, offs_d, offs_t, full_lo, m_full, n_q, causal_off, qk_scale,
+                                           False, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, TAIL_D, ATOMIC_DQ,
+                                           DELTA_FROM_O, dq_desc, dq_desc1, DQ_TMA)
+        dk, dk1, dv, dv1 = _bwd_dkdv_inner(dk, dk1, dv, dv1, k, k1, v, v1, q_base, do_base, o_base, stride_qm,
+                                           stride_dom, stride_om, stats_base, dq_base, HEAD_DIM, sm_scale,
+                                           offs_n, offs_m0, offs_d, offs_t, tl.maximum(full_lo, m_full), m_pad, n_q, causal_off, qk_scale,
+                                           True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, TAIL_D, ATOMIC_DQ,
+                                           DELTA_FROM_O, dq_desc, dq_desc1, DQ_TMA)
+        _store_parts(DK + off_z * stride_dkz + off_h * stride_dkh, offs_n, stride_dkn, n_k, offs_d, offs_t,
+                     (dk * sm_scale).to(DK.dtype.element_ty), (dk1 * sm_scale).to(DK.dtype.element_ty),
+                     HEAD_DIM, BLOCK_D, TAIL_D)
+        _store_parts(DV + off_z * stride_dvz + off_h * stride_dvh, offs_n, stride_dvn, n_k, offs_d, offs_t,
+                     dv.to(DV.dtype.element_ty), dv1.to(DV.dtype.element_ty), HEAD_DIM, BLOCK_D, TAIL_D)
 
     # SEQ_CLASS is a tuning key only and n_heads only divides program ids: neither is specialized, so a
     # new sequence class or head count (1 vs 16) reuses the compiled kernel
@@ -268,7 +292,7 @@ if HAVE_TRITON:
                          stride_doz, stride_doh, stride_dom,
                          n_heads, n_q, n_k, causal_off, qk_scale, sm_scale, SEQ_CLASS,
                          IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                         TAIL_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                          DQ_TMA: tl.constexpr):
         pid_zh, pid_n = _head_major(tl.cdiv(n_k, BLOCK_N))  # causal: early key tiles (the most queries) first
         off_z = (pid_zh // n_heads).to(tl.int64)
@@ -281,7 +305,7 @@ if HAVE_TRITON:
                        stride_doz, stride_doh, stride_dom, stride_kz, stride_kh, stride_kn,
                        stride_vz, stride_vh, stride_vn,
                        n_q, n_k, causal_off, qk_scale, sm_scale,
-                       IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, ATOMIC_DQ, False, DQ_TMA)
+                       IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N, ATOMIC_DQ, False, DQ_TMA)
 
     # Fused backward: ONE launch, grid (tiles, batch x heads). Program i does
     #   (a) dK, dV of key tile i (BLOCK_N keys), walking the query tiles that see it, and
@@ -301,7 +325,7 @@ if HAVE_TRITON:
                           stride_doz, stride_doh, stride_dom,
                           n_heads, n_q, n_k, causal_off, qk_scale, sm_scale, SEQ_CLASS,
                           IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          TAIL_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         pid = tl.program_id(0)
         pid_zh = tl.program_id(1)
         off_z = (pid_zh // n_heads).to(tl.int64)
@@ -314,7 +338,7 @@ if HAVE_TRITON:
                            stride_doz, stride_doh, stride_dom, stride_kz, stride_kh, stride_kn,
                            stride_vz, stride_vh, stride_vn,
                            n_q, n_k, causal_off, qk_scale, sm_scale,
-                           IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, True, False)
+                           IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N, False, True, False)
         start_m = pid * BLOCK_M
         if start_m < n_q:  # (b) query tile pid (its delta computed in place, not stored)
             _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, LSE, pid_zh, off_z, off_h, start_m,
@@ -322,7 +346,7 @@ if HAVE_TRITON:
                          stride_vz, stride_vh, stride_vn, stride_qz, stride_qh, stride_qm,
                          stride_doz, stride_doh, stride_dom, stride_qz, stride_qh, stride_qm,
                          n_q, n_k, causal_off, qk_scale, sm_scale,
-                         IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False)
+                         IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N, False)
 
     @triton.jit
     def _bwd_delta_kernel(O, DO, LSE, STATS, DQ_ACC, stride_oz, stride_oh, stride_om, stride_doz, stride_doh,

@@ -47,20 +47,68 @@ if HAVE_TRITON:
         return c
 
     @triton.jit
-    def _load_rows(ptrs, offs_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   ROW_MASK: tl.constexpr):
-        """Load a (rows, BLOCK_D) tile; rows >= n_rows and columns >= HEAD_DIM read as 0."""
+    def _load_rows(ptrs, offs_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, END: tl.constexpr, ROW_MASK: tl.constexpr):
+        """Load a (rows, width) tile of the columns offs_d, which end at column END; rows >= n_rows and columns
+        >= HEAD_DIM read as 0 (no column mask where the tile ends inside the head: END <= HEAD_DIM)."""
         if ROW_MASK:
-            if BLOCK_D == HEAD_DIM:
+            if END <= HEAD_DIM:
                 x = tl.load(ptrs, mask=offs_r[:, None] < n_rows, other=0.0)
             else:
                 x = tl.load(ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
         else:
-            if BLOCK_D == HEAD_DIM:
+            if END <= HEAD_DIM:
                 x = tl.load(ptrs)
             else:
                 x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
         return x
+
+    @triton.jit
+    def _tail_cols(offs_d, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr):
+        """The column offsets of the tail part (`_TILE_D`): BLOCK_D ... BLOCK_D + TAIL_D; without a tail, offs_d
+        again (a placeholder the kernels never load through)."""
+        if TAIL_D > 0:
+            offs_t = BLOCK_D + tl.arange(0, TAIL_D)
+        else:
+            offs_t = offs_d
+        return offs_t
+
+    @triton.jit
+    def _load_parts(base, offs_r, stride_r, n_rows, offs_d, offs_t, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    TAIL_D: tl.constexpr, ROW_MASK: tl.constexpr):
+        """Rows offs_r of a head's (rows, HEAD_DIM) matrix at base, as its main part (columns offs_d) and its tail
+        part (offs_t; without a tail the main part again, unused)."""
+        rows = base + offs_r[:, None] * stride_r
+        x = _load_rows(rows + offs_d[None, :], offs_r, n_rows, offs_d, HEAD_DIM, BLOCK_D, ROW_MASK)
+        if TAIL_D > 0:
+            x1 = _load_rows(rows + offs_t[None, :], offs_r, n_rows, offs_t, HEAD_DIM, BLOCK_D + TAIL_D, ROW_MASK)
+        else:
+            x1 = x
+        return x, x1
+
+    @triton.jit
+    def _store_parts(base, offs_r, stride_r, n_rows, offs_d, offs_t, x, x1, HEAD_DIM: tl.constexpr,
+                     BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr):
+        """Store the main part x (columns offs_d) and, with a tail, x1 (offs_t) of rows offs_r (< n_rows)."""
+        rows = base + offs_r[:, None] * stride_r
+        _store_rows(rows + offs_d[None, :], x, offs_r, n_rows, offs_d, HEAD_DIM, BLOCK_D)
+        if TAIL_D > 0:
+            _store_rows(rows + offs_t[None, :], x1, offs_r, n_rows, offs_t, HEAD_DIM, BLOCK_D + TAIL_D)
+
+    @triton.jit
+    def _mm_parts(a, b, a1, b1, TAIL_D: tl.constexpr):
+        """a b + a1 b1: a product that contracts over the head dim, summed over its main and tail parts."""
+        c = _mm(a, b)
+        if TAIL_D > 0:
+            c = _mma(a1, b1, c)
+        return c
+
+    @triton.jit
+    def _row_dot(a, b, a1, b1, TAIL_D: tl.constexpr):
+        """rowsum(a * b) in fp32 over both parts of the head (delta = rowsum(dO * O))."""
+        r = tl.sum(a.to(tl.float32) * b.to(tl.float32), 1)
+        if TAIL_D > 0:
+            r += tl.sum(a1.to(tl.float32) * b1.to(tl.float32), 1)
+        return r
 
     @triton.jit
     def _head_major(n_tiles):
@@ -82,8 +130,8 @@ if HAVE_TRITON:
         tl.store(STATS + 2 * row + 1, delta, mask=mask)
 
     @triton.jit
-    def _store_rows(ptrs, x, offs_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-        if BLOCK_D == HEAD_DIM:
+    def _store_rows(ptrs, x, offs_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, END: tl.constexpr):
+        if END <= HEAD_DIM:
             tl.store(ptrs, x, mask=offs_r[:, None] < n_rows)
         else:
             tl.store(ptrs, x, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
@@ -94,9 +142,20 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# the tile width for a head dim: the next power of two from 16 (tl.dot's smallest K); columns past the head dim are
-# masked on load and store
-_BLOCK_D = {d: max(16, 1 << (d - 1).bit_length()) for d in range(1, MAX_HEAD_DIM + 1)}
+def _tile_d(d: int) -> tuple[int, int]:
+    """(BLOCK_D, TAIL_D): the column parts a head dim is tiled in. One power-of-two tile from 16 (tl.dot's
+    smallest K; columns past d masked), unless a power-of-two part and a smaller tail cover d in fewer columns:
+    80 = 64 + 16 and 96 = 64 + 32 instead of 128, so the matmuls do 0.62x and 0.75x the work of a padded
+    128-wide tile (the exponentials do not change)."""
+    whole = max(16, 1 << (d - 1).bit_length())
+    main = whole // 2
+    tail = max(16, 1 << (d - main - 1).bit_length()) if d > main else 0
+    return (main, tail) if d > 16 and main + tail < whole else (whole, 0)
+
+
+_TILE_D = {d: _tile_d(d) for d in range(1, MAX_HEAD_DIM + 1)}
+# one power-of-two tile over the whole head (the streaming kernels: delta, the split forward's merge)
+_POW2_D = {d: max(16, 1 << (d - 1).bit_length()) for d in range(1, MAX_HEAD_DIM + 1)}
 
 
 def _to_4d(x: Tensor) -> Tensor:

@@ -16,7 +16,7 @@ from core.errors import ConfigError
 from core.kernels.flash_triton import common, launch
 from core.kernels.flash_triton.backward import (_bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel,
                                                 _bwd_fused_kernel)
-from core.kernels.flash_triton.common import HAVE_TRITON, LOG2E, _BLOCK_D, _cdiv
+from core.kernels.flash_triton.common import HAVE_TRITON, LOG2E, _POW2_D, _TILE_D, _cdiv
 from core.kernels.flash_triton.config import DEFAULT_CONFIG, FlashConfig
 from core.kernels.flash_triton.forward import _fwd_kernel, _fwd_merge_kernel, _fwd_split_kernel, _fwd_split_merge_kernel
 from core.kernels.flash_triton.launch import _ARRIVALS, _launch, _run
@@ -101,14 +101,14 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
     pinned = cfg.tile("fwd")
     bm, bn, warps, stages = (pinned or ((32, 16, 4, 1) if common.INTERPRET else _SPLIT_TILES))[:4]
     # the split forward's fixed tiles are sized for head dims up to 128
-    split_len = _fwd_split_len(q.device, z * h, n_q, n_k, bm, bn, cfg) if _BLOCK_D[d] <= 128 else 0
+    block_d, tail_d = _TILE_D[d]
+    split_len = _fwd_split_len(q.device, z * h, n_q, n_k, bm, bn, cfg) if block_d + tail_d <= 128 else 0
     if split_len:  # small grid: split-KV
         short = _cdiv(n_k, bn) < cfg.short_row_tiles
         if short and pinned is None and not common.INTERPRET:
             bm, bn, warps, stages = _SHORT_SPLIT_TILES
         splits = _cdiv(n_k, split_len)
-        block_d = _BLOCK_D[d]
-        o_part = torch.empty((z * h, splits, n_q, block_d), device=q.device, dtype=torch.float32)
+        o_part = torch.empty((z * h, splits, n_q, block_d + tail_d), device=q.device, dtype=torch.float32)
         lse_part = torch.empty((z * h, splits, n_q), device=q.device, dtype=torch.float32)
         if cfg.split_merge == "in_kernel":
             n_counts = z * h * _cdiv(n_q, bm)  # one per query tile
@@ -116,23 +116,24 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
             _run(_fwd_split_merge_kernel, (z * h, _cdiv(n_q, bm), splits),
                  (q, k, v, o, lse, o_part, lse_part, arrivals, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
                   sv[0], sv[1], sv[2], h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), split_len, seq_class), 8,
-                 IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, SPLITS=splits,
+                 IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d, TAIL_D=tail_d, BLOCK_M=bm, BLOCK_N=bn,
+                 SPLITS=splits,
                  ONE_LOOP=short, num_warps=warps, num_stages=stages)
             return o, lse
         _run(_fwd_split_kernel, (z * h, _cdiv(n_q, bm), splits),
              (q, k, v, o_part, lse_part, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
               h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), split_len, seq_class), 5,
-             IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn,
+             IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d, TAIL_D=tail_d, BLOCK_M=bm, BLOCK_N=bn,
              num_warps=warps, num_stages=stages)
         # 32-row merge tiles: 96 registers at d = 128 (64 rows: 230), and twice the programs on a small grid
         _run(_fwd_merge_kernel, (z * h, _cdiv(n_q, 32)),
              (o_part, lse_part, o, lse, sq[0], sq[1], sq[2], h, n_q, splits), 4,
-             HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=32)
+             HEAD_DIM=d, BLOCK_D=block_d, TAIL_D=tail_d, BLOCK_M=32)
         return o, lse
     args = (q, k, v, o, lse, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
             h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), seq_class)
     _launch("fwd", _fwd_tuned if not common.INTERPRET else None, _fwd_kernel, z * h, n_q, args,
-            is_causal, d, _BLOCK_D[d], seq_class, q.dtype, tiles=pinned)
+            is_causal, d, block_d, seq_class, q.dtype, tiles=pinned, TAIL_D=tail_d)
     return o, lse
 
 
@@ -217,7 +218,7 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     if o.stride() != q.stride():  # O saved by a forward on another layout of q
         o = torch.empty_like(q).copy_(o)
     sq, sk, sv, sdo = q.stride(), k.stride(), v.stride(), do.stride()
-    block_d = _BLOCK_D[d]
+    block_d, tail_d = _TILE_D[d]
     causal_off = n_k - n_q if is_causal else 0
     sm_scale = 1.0 / math.sqrt(d)
     seq_class = _seq_class(max(n_q, n_k), z * h)
@@ -227,7 +228,7 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
                 sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
                 h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
         _launch("fused", _fused_tuned if not interpret else None, _bwd_fused_kernel, z * h, n_q, args,
-                is_causal, d, block_d, seq_class, q.dtype, n_k=n_k, tiles=cfg.tile("fused"))
+                is_causal, d, block_d, seq_class, q.dtype, n_k=n_k, tiles=cfg.tile("fused"), TAIL_D=tail_d)
         return dq, dk, dv
     atomic_dq = variant == BWD_ATOMIC_DQ
     dq_tma = atomic_dq and launch._has_tma(q.device) and d % 4 == 0  # TMA: 16-byte rows of the fp32 dQ buffer
@@ -239,13 +240,13 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         dq_acc = torch.empty((z, h, n_q, d), device=q.device, dtype=torch.float32)  # zeroed by the delta kernel
         _run(_bwd_delta_kernel, (z * h, _cdiv(n_q, 64)),
              (o, do, lse, stats, dq_acc, sq[0], sq[1], sq[2], sdo[0], sdo[1], sdo[2], h, n_q), 5,
-             HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=64)
+             HEAD_DIM=d, BLOCK_D=_POW2_D[d], BLOCK_M=64)
     else:  # the dQ pass (it also computes and stores the row stats)
         dq_args = (q, k, v, o, do, dq, lse, stats,
                    sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
                    h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
         _launch("dq", _dq_tuned if not interpret else None, _bwd_dq_kernel, z * h, n_q, dq_args,
-                is_causal, d, block_d, seq_class, q.dtype, tiles=cfg.tile("dq"))
+                is_causal, d, block_d, seq_class, q.dtype, tiles=cfg.tile("dq"), TAIL_D=tail_d)
         dq_acc = stats  # DQ_ACC is not touched without atomics
     if atomic_dq and _ws_ok(q, do, d, cfg):
         from core.kernels.flash_triton import hopper
@@ -259,7 +260,8 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     name, tuned = ("dkdv_atomic", _dkdv_atomic_tuned if not interpret else None) if atomic_dq \
         else ("dkdv", _dkdv_tuned if not interpret else None)
     _launch(name, tuned, _bwd_dkdv_kernel, z * h, n_k, dkdv_args,
-            is_causal, d, block_d, seq_class, q.dtype, tiles=cfg.tile("dkdv"), ATOMIC_DQ=atomic_dq, DQ_TMA=dq_tma)
+            is_causal, d, block_d, seq_class, q.dtype, tiles=cfg.tile("dkdv"), TAIL_D=tail_d, ATOMIC_DQ=atomic_dq,
+            DQ_TMA=dq_tma)
     if atomic_dq:
         dq.copy_(dq_acc)
     return dq, dk, dv

@@ -11,20 +11,21 @@
 """
 from __future__ import annotations
 
-from core.kernels.flash_triton.common import (HAVE_TRITON, _head_major, _load_rows, _mm, _mma,  # noqa: F401
-                                              _store_rows, tl, triton)
+from core.kernels.flash_triton.common import (HAVE_TRITON, _head_major, _load_parts, _mm, _mma,  # noqa: F401
+                                              _store_parts, _tail_cols, tl, triton)
 
 if HAVE_TRITON:
     @triton.jit
-    def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
-                   offs_m, offs_n0, offs_d, lo, hi, n_k, causal_off, qk_scale,
+    def _fwd_inner(acc, acc1, m_i, l_i, q, q1, k_base, v_base, stride_kn, stride_vn,
+                   offs_m, offs_n0, offs_d, offs_t, lo, hi, n_k, causal_off, qk_scale,
                    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr):
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + offs_n0
-            k = _load_rows(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, n_k, offs_d,
-                           HEAD_DIM, BLOCK_D, MASKED)
+            k, k1 = _load_parts(k_base, offs_n, stride_kn, n_k, offs_d, offs_t, HEAD_DIM, BLOCK_D, TAIL_D, MASKED)
             s = _mm(q, tl.trans(k))                                # (BLOCK_M, BLOCK_N), unscaled
+            if TAIL_D > 0:
+                s = _mma(q1, tl.trans(k1), s)
             if MASKED:
                 valid = offs_n[None, :] < n_k
                 if IS_CAUSAL:
@@ -41,22 +42,23 @@ if HAVE_TRITON:
             p = tl.math.exp2(s * qk_scale - m_use[:, None])
             alpha = tl.math.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = _load_rows(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, n_k, offs_d,
-                           HEAD_DIM, BLOCK_D, MASKED)
+            v, v1 = _load_parts(v_base, offs_n, stride_vn, n_k, offs_d, offs_t, HEAD_DIM, BLOCK_D, TAIL_D, MASKED)
             acc = _mma(p.to(v.dtype), v, acc * alpha[:, None])
+            if TAIL_D > 0:
+                acc1 = _mma(p.to(v1.dtype), v1, acc1 * alpha[:, None])
             m_i = m_new
-        return acc, m_i, l_i
+        return acc, acc1, m_i, l_i
 
     @triton.jit
     def _fwd_rows(Q, K, V, pid_zh, start_m, key_lo, key_hi,
                   stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                   n_heads, n_q, n_k, causal_off, qk_scale,
-                  IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_LOOP: tl.constexpr = False):
         """Online softmax of the BLOCK_M query rows from start_m over the keys in [key_lo, key_hi) that they
-        see (key_lo a multiple of BLOCK_N): (acc, m, l), unnormalised, base 2. Causal: key tiles above the
-        diagonal are never visited; tiles wholly below it run without masks, the diagonal tiles and the
-        ragged last tile with masks."""
+        see (key_lo a multiple of BLOCK_N): (acc, acc of the tail columns, m, l), unnormalised, base 2. Causal:
+        key tiles above the diagonal are never visited; tiles wholly below it run without masks, the diagonal
+        tiles and the ragged last tile with masks."""
         off_z = (pid_zh // n_heads).to(tl.int64)
         off_h = (pid_zh % n_heads).to(tl.int64)
         k_base = K + off_z * stride_kz + off_h * stride_kh
@@ -64,11 +66,13 @@ if HAVE_TRITON:
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_n0 = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        q = _load_rows(Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
-                       offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+        offs_t = _tail_cols(offs_d, BLOCK_D, TAIL_D)
+        q, q1 = _load_parts(Q + off_z * stride_qz + off_h * stride_qh, offs_m, stride_qm, n_q, offs_d, offs_t,
+                            HEAD_DIM, BLOCK_D, TAIL_D, True)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        acc1 = tl.zeros_like(q1).to(tl.float32)
 
         n_full = (n_k // BLOCK_N) * BLOCK_N  # key tiles with no ragged end
         if IS_CAUSAL:
@@ -81,37 +85,54 @@ if HAVE_TRITON:
             hi = n_k
         hi = tl.minimum(hi, key_hi)
         if ONE_LOOP:
-            acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
-                                       offs_m, offs_n0, offs_d, key_lo, hi, n_k, causal_off,
-                                       qk_scale, True, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D)
-            return acc, m_i, l_i
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
-                                   offs_m, offs_n0, offs_d, key_lo, tl.minimum(full_hi, hi), n_k, causal_off,
-                                   qk_scale, False, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D)
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
-                                   offs_m, offs_n0, offs_d, tl.maximum(full_hi, key_lo), hi, n_k, causal_off,
-                                   qk_scale, True, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D)
-        return acc, m_i, l_i
+            acc, acc1, m_i, l_i = _fwd_inner(acc, acc1, m_i, l_i, q, q1, k_base, v_base, stride_kn, stride_vn,
+                                             offs_m, offs_n0, offs_d, offs_t, key_lo, hi, n_k, causal_off,
+                                             qk_scale, True, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, TAIL_D)
+            return acc, acc1, m_i, l_i
+        acc, acc1, m_i, l_i = _fwd_inner(acc, acc1, m_i, l_i, q, q1, k_base, v_base, stride_kn, stride_vn,
+                                         offs_m, offs_n0, offs_d, offs_t, key_lo, tl.minimum(full_hi, hi), n_k,
+                                         causal_off, qk_scale, False, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, TAIL_D)
+        acc, acc1, m_i, l_i = _fwd_inner(acc, acc1, m_i, l_i, q, q1, k_base, v_base, stride_kn, stride_vn,
+                                         offs_m, offs_n0, offs_d, offs_t, tl.maximum(full_hi, key_lo), hi, n_k,
+                                         causal_off, qk_scale, True, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, TAIL_D)
+        return acc, acc1, m_i, l_i
 
     @triton.jit
-    def _store_output(O, LSE, pid_zh, n_heads, stride_oz, stride_oh, stride_om, offs_m, offs_d, n_q, acc, m_i, l_i,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _store_output(O, LSE, pid_zh, n_heads, stride_oz, stride_oh, stride_om, offs_m, offs_d, offs_t, n_q,
+                      acc, acc1, m_i, l_i, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr):
         """O = acc / l in O's dtype, and the natural-log logsumexp (-inf where a row saw no key), for the rows
-        offs_m of batch x head pid_zh; (acc, m, l) unnormalised, base 2."""
+        offs_m of batch x head pid_zh; (acc, acc1, m, l) unnormalised, base 2 (acc1: the tail columns)."""
         o_base = O + (pid_zh // n_heads).to(tl.int64) * stride_oz + (pid_zh % n_heads).to(tl.int64) * stride_oh
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = (acc / l_safe[:, None]).to(O.dtype.element_ty)
-        _store_rows(o_base + offs_m[:, None] * stride_om + offs_d[None, :], out, offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
+        out1 = (acc1 / l_safe[:, None]).to(O.dtype.element_ty)
+        _store_parts(o_base, offs_m, stride_om, n_q, offs_d, offs_t, out, out1, HEAD_DIM, BLOCK_D, TAIL_D)
         lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
         tl.store(LSE + pid_zh.to(tl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
 
     @triton.jit
-    def _store_partial(OP, LP, row, offs_d, rows_ok, acc, m_i, l_i, BLOCK_D: tl.constexpr):
-        """One split's normalised fp32 partial output and base-2 logsumexp, at partial rows `row` (output 0 and
-        logsumexp -inf for rows that saw none of the split's keys)."""
+    def _store_partial(OP, LP, row, offs_d, offs_t, rows_ok, acc, acc1, m_i, l_i, BLOCK_D: tl.constexpr,
+                       TAIL_D: tl.constexpr):
+        """One split's normalised fp32 partial output (rows of BLOCK_D + TAIL_D columns) and base-2 logsumexp, at
+        partial rows `row` (output 0 and logsumexp -inf for rows that saw none of the split's keys)."""
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        tl.store(OP + row[:, None] * BLOCK_D + offs_d[None, :], acc / l_safe[:, None], mask=rows_ok[:, None])
+        op_row = OP + row[:, None] * (BLOCK_D + TAIL_D)
+        tl.store(op_row + offs_d[None, :], acc / l_safe[:, None], mask=rows_ok[:, None])
+        if TAIL_D > 0:
+            tl.store(op_row + offs_t[None, :], acc1 / l_safe[:, None], mask=rows_ok[:, None])
         tl.store(LP + row, m_i + tl.math.log2(l_i), mask=rows_ok)
+
+    @triton.jit
+    def _load_partial(OP, row, offs_d, offs_t, rows_ok, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
+                      CACHE: tl.constexpr):
+        """One split's partial output rows, both parts (`_store_partial`); rows not ok read as 0."""
+        op_row = OP + row[:, None] * (BLOCK_D + TAIL_D)
+        o_s = tl.load(op_row + offs_d[None, :], mask=rows_ok[:, None], other=0.0, cache_modifier=CACHE)
+        if TAIL_D > 0:
+            o_s1 = tl.load(op_row + offs_t[None, :], mask=rows_ok[:, None], other=0.0, cache_modifier=CACHE)
+        else:
+            o_s1 = o_s
+        return o_s, o_s1
 
     # SEQ_CLASS is a tuning key only and n_heads only divides program ids: neither is specialized, so a
     # new sequence class or head count (1 vs 16) reuses the compiled kernel
@@ -121,18 +142,20 @@ if HAVE_TRITON:
                     stride_kz, stride_kh, stride_kn,
                     stride_vz, stride_vh, stride_vn,
                     n_heads, n_q, n_k, causal_off, qk_scale, SEQ_CLASS,
-                    IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         n_tiles = tl.cdiv(n_q, BLOCK_M)
         pid_zh, tile = _head_major(n_tiles)
         # heavy-first: the last query tiles (most keys under a causal mask) are launched first
         start_m = (n_tiles - 1 - tile) * BLOCK_M
-        acc, m_i, l_i = _fwd_rows(Q, K, V, pid_zh, start_m, 0, n_k,
-                                  stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
-                                  stride_vz, stride_vh, stride_vn, n_heads, n_q, n_k, causal_off, qk_scale,
-                                  IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+        acc, acc1, m_i, l_i = _fwd_rows(Q, K, V, pid_zh, start_m, 0, n_k,
+                                        stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+                                        stride_vz, stride_vh, stride_vn, n_heads, n_q, n_k, causal_off, qk_scale,
+                                        IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
         _store_output(O, LSE, pid_zh, n_heads, stride_qz, stride_qh, stride_qm, start_m + tl.arange(0, BLOCK_M),
-                      tl.arange(0, BLOCK_D), n_q, acc, m_i, l_i, HEAD_DIM, BLOCK_D)
+                      offs_d, _tail_cols(offs_d, BLOCK_D, TAIL_D), n_q, acc, acc1, m_i, l_i, HEAD_DIM, BLOCK_D,
+                      TAIL_D)
 
     # Split-KV forward for small grids (few batch x heads, few query tiles): the key range of every query
     # tile is cut into splits of `split_len` keys, one program per (query tile, split), each writing its
@@ -140,53 +163,64 @@ if HAVE_TRITON:
     # path falls from all key tiles of the last query tile to one split's, when the grid alone would leave
     # most SMs idle. Same tiles and the same `_fwd_rows` as `_fwd_kernel`.
     @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
-    def _fwd_split_kernel(Q, K, V, OP, LP,  # OP: (Z*H, splits, N_q, BLOCK_D) fp32; LP: (Z*H, splits, N_q) fp32
+    def _fwd_split_kernel(Q, K, V, OP, LP,  # OP: (Z*H, splits, N_q, BLOCK_D + TAIL_D) fp32; LP: (Z*H, splits, N_q)
                           stride_qz, stride_qh, stride_qm,
                           stride_kz, stride_kh, stride_kn,
                           stride_vz, stride_vh, stride_vn,
                           n_heads, n_q, n_k, causal_off, qk_scale, split_len, SEQ_CLASS,
                           IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          TAIL_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         pid_zh = tl.program_id(0)
         start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
         split = tl.program_id(2)
         key_lo = split * split_len  # a multiple of BLOCK_N: the masked / unmasked split stays tile-aligned
-        acc, m_i, l_i = _fwd_rows(Q, K, V, pid_zh, start_m, key_lo, key_lo + split_len,
-                                  stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
-                                  stride_vz, stride_vh, stride_vn, n_heads, n_q, n_k, causal_off, qk_scale,
-                                  IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+        acc, acc1, m_i, l_i = _fwd_rows(Q, K, V, pid_zh, start_m, key_lo, key_lo + split_len,
+                                        stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+                                        stride_vz, stride_vh, stride_vn, n_heads, n_q, n_k, causal_off, qk_scale,
+                                        IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N)
         # a split this tile does not reach (or rows that see none of its keys): output 0, logsumexp -inf
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row = (pid_zh.to(tl.int64) * tl.num_programs(2) + split) * n_q + offs_m
-        _store_partial(OP, LP, row, tl.arange(0, BLOCK_D), offs_m < n_q, acc, m_i, l_i, BLOCK_D)
+        offs_d = tl.arange(0, BLOCK_D)
+        _store_partial(OP, LP, row, offs_d, _tail_cols(offs_d, BLOCK_D, TAIL_D), offs_m < n_q, acc, acc1, m_i, l_i,
+                       BLOCK_D, TAIL_D)
 
     @triton.jit
-    def _merge_step(acc, m_i, l_i, o_s, lse_s):
-        """Fold one split's normalised partial output o_s and base-2 logsumexp lse_s into (acc, m, l)."""
+    def _merge_step(acc, acc1, m_i, l_i, o_s, o_s1, lse_s, TAIL_D: tl.constexpr):
+        """Fold one split's normalised partial output (o_s, tail o_s1) and base-2 logsumexp lse_s into
+        (acc, acc1, m, l)."""
         m_new = tl.maximum(m_i, lse_s)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_use)
         w = tl.math.exp2(lse_s - m_use)
-        return acc * alpha[:, None] + o_s * w[:, None], m_new, l_i * alpha + w
+        acc = acc * alpha[:, None] + o_s * w[:, None]
+        if TAIL_D > 0:
+            acc1 = acc1 * alpha[:, None] + o_s1 * w[:, None]
+        return acc, acc1, m_new, l_i * alpha + w
 
     @triton.jit
     def _fwd_merge_kernel(OP, LP, O, LSE, stride_oz, stride_oh, stride_om, n_heads, n_q, n_splits,
-                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
+                          BLOCK_M: tl.constexpr):
         """out = sum_s 2^(lse_s - lse) out_s, lse = log2 sum_s 2^lse_s (stored as a natural log), over the splits
         of `_fwd_split_kernel`, with a running max so that no term overflows."""
         pid_zh = tl.program_id(0)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
+        offs_t = _tail_cols(offs_d, BLOCK_D, TAIL_D)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        acc1 = acc  # the tail's accumulator (without a tail a placeholder, never updated)
+        if TAIL_D > 0:
+            acc1 = tl.zeros([BLOCK_M, TAIL_D], dtype=tl.float32)
         for split in range(0, n_splits):
             row = (pid_zh.to(tl.int64) * n_splits + split) * n_q + offs_m
             lse_s = tl.load(LP + row, mask=offs_m < n_q, other=float("-inf"))
-            o_s = tl.load(OP + row[:, None] * BLOCK_D + offs_d[None, :], mask=offs_m[:, None] < n_q, other=0.0)
-            acc, m_i, l_i = _merge_step(acc, m_i, l_i, o_s, lse_s)
-        _store_output(O, LSE, pid_zh, n_heads, stride_oz, stride_oh, stride_om, offs_m, offs_d, n_q, acc, m_i, l_i,
-                      HEAD_DIM, BLOCK_D)
+            o_s, o_s1 = _load_partial(OP, row, offs_d, offs_t, offs_m < n_q, BLOCK_D, TAIL_D, "")
+            acc, acc1, m_i, l_i = _merge_step(acc, acc1, m_i, l_i, o_s, o_s1, lse_s, TAIL_D)
+        _store_output(O, LSE, pid_zh, n_heads, stride_oz, stride_oh, stride_om, offs_m, offs_d, offs_t, n_q, acc,
+                      acc1, m_i, l_i, HEAD_DIM, BLOCK_D, TAIL_D)
 
     # Split-KV forward in one launch: every split of a query tile writes its partial output and base-2
     # logsumexp, then counts itself in (one arrival count per query tile); the split that arrives last merges
@@ -202,8 +236,8 @@ if HAVE_TRITON:
                                 stride_vz, stride_vh, stride_vn,
                                 n_heads, n_q, n_k, causal_off, qk_scale, split_len, SEQ_CLASS,
                                 IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                                ONE_LOOP: tl.constexpr):
+                                TAIL_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                SPLITS: tl.constexpr, ONE_LOOP: tl.constexpr):
         pid_zh = tl.program_id(0)
         tile = tl.num_programs(1) - 1 - tl.program_id(1)
         start_m = tile * BLOCK_M
@@ -215,14 +249,17 @@ if HAVE_TRITON:
         arrivals = tl.maximum(tl.cdiv(reach, split_len), 1)  # a tile that sees no key: split 0 writes it
         if split < arrivals:
             key_lo = split * split_len
-            acc, m_i, l_i = _fwd_rows(Q, K, V, pid_zh, start_m, key_lo, key_lo + split_len,
-                                      stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
-                                      stride_vz, stride_vh, stride_vn, n_heads, n_q, n_k, causal_off, qk_scale,
-                                      IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, ONE_LOOP)
+            acc, acc1, m_i, l_i = _fwd_rows(Q, K, V, pid_zh, start_m, key_lo, key_lo + split_len,
+                                            stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+                                            stride_vz, stride_vh, stride_vn, n_heads, n_q, n_k, causal_off,
+                                            qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N,
+                                            ONE_LOOP)
             offs_m = start_m + tl.arange(0, BLOCK_M)
             offs_d = tl.arange(0, BLOCK_D)
+            offs_t = _tail_cols(offs_d, BLOCK_D, TAIL_D)
             first_row = pid_zh.to(tl.int64) * SPLITS * n_q
-            _store_partial(OP, LP, first_row + split * n_q + offs_m, offs_d, offs_m < n_q, acc, m_i, l_i, BLOCK_D)
+            _store_partial(OP, LP, first_row + split * n_q + offs_m, offs_d, offs_t, offs_m < n_q, acc, acc1, m_i,
+                           l_i, BLOCK_D, TAIL_D)
             tl.debug_barrier()
             count = COUNTS + pid_zh * tl.num_programs(1) + tile
             if tl.atomic_add(count, 1, sem="acq_rel") == arrivals - 1:
@@ -230,16 +267,16 @@ if HAVE_TRITON:
                 # whichever split arrives last, so the output does not depend on timing
                 m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
                 l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
-                acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                acc = tl.zeros_like(acc)
+                acc1 = tl.zeros_like(acc1)
                 for s in tl.static_range(SPLITS):
                     # splits that did not arrive read as empty (a row bound, not a scalar mask: the
                     # interpreter's int1 broadcast)
                     rows_s = offs_m < tl.where(arrivals > s, n_q, 0)
                     row_s = first_row + s * n_q + offs_m
                     lse_s = tl.load(LP + row_s, mask=rows_s, other=float("-inf"), cache_modifier=".cg")
-                    o_s = tl.load(OP + row_s[:, None] * BLOCK_D + offs_d[None, :], mask=rows_s[:, None],
-                                  other=0.0, cache_modifier=".cg")
-                    acc, m_run, l_run = _merge_step(acc, m_run, l_run, o_s, lse_s)
-                _store_output(O, LSE, pid_zh, n_heads, stride_qz, stride_qh, stride_qm, offs_m, offs_d, n_q, acc,
-                              m_run, l_run, HEAD_DIM, BLOCK_D)
+                    o_s, o_s1 = _load_partial(OP, row_s, offs_d, offs_t, rows_s, BLOCK_D, TAIL_D, ".cg")
+                    acc, acc1, m_run, l_run = _merge_step(acc, acc1, m_run, l_run, o_s, o_s1, lse_s, TAIL_D)
+                _store_output(O, LSE, pid_zh, n_heads, stride_qz, stride_qh, stride_qm, offs_m, offs_d, offs_t, n_q,
+                              acc, acc1, m_run, l_run, HEAD_DIM, BLOCK_D, TAIL_D)
                 tl.store(count, 0)  # every split of this launch has arrived: ready for the next launch
