@@ -251,7 +251,7 @@ def test_split_kv_forward_with_a_tail_head_dim(merge):
     q, k, v = make_qkv((1, 2, 70, 80), 130, torch.float32)
     out, lse = flash_attention_with_lse(q.detach(), k.detach(), v.detach(), True, cfg)
     ref, ref_lse = reference_attention(*(x.detach().double() for x in (q, k, v)), True)
-    assert (lse.double() - ref_lse).abs().max() < 1e-3
+    assert (lse.double() - ref_lse).abs().max() < (1e-2 if CUDA else 1e-3)  # TF32 dots on the GPU
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
