@@ -52,7 +52,8 @@ def _part_rows(ft, q, k, v, g) -> list:
     z, h, n, d = qd.shape
     sq, sk, sv = qd.stride(), kd.stride(), vd.stride()
     from core.kernels.flash_triton import common, forward, tuning
-    fwd_args = (qd, kd, vd, o, lse, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+    so = o.stride()
+    fwd_args = (qd, kd, vd, o, lse, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
                 h, n, n, 0, common.LOG2E / d ** 0.5, tuning._seq_class(n, z * h))
     block_d, tail_d = common._TILE_D[d]
     meta = dict(IS_CAUSAL=True, HEAD_DIM=d, BLOCK_D=block_d, TAIL_D=tail_d, BLOCK_M=64, BLOCK_N=64, num_warps=4,

@@ -159,6 +159,18 @@ def fused_qkv_views(b, t, h, h_kv, d, dtype, views):
 VIEW_COMBOS = [(q, k, v) for q in (False, True) for k in (False, True) for v in (False, True)]
 
 
+@needs_triton
+def test_outputs_of_fused_projection_views_are_dense_in_the_model_order():
+    """q, k, v sliced from the fused projection are read in place (no copies); O and the gradients are dense in the
+    same (B, T, H, d) order, so the model's transpose back to (B, T, H * d) is a view, as with SDPA."""
+    torch.manual_seed(5)
+    q, k, v = fused_qkv_views(2, 37, 2, 2, 16, torch.float32, (True, True, True))
+    out = FlashAttentionTriton.apply(q, k, v, True)
+    assert out.transpose(1, 2).is_contiguous()
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert all(g.transpose(1, 2).is_contiguous() for g in grads)
+
+
 @pytest.mark.parametrize("fn", IMPLS)
 @pytest.mark.parametrize("views", VIEW_COMBOS, ids=lambda c: "views_" + ("".join(n for n, on in zip("qkv", c) if on)
                                                                          or "none"))
@@ -622,8 +634,9 @@ def test_gpu_memory_linear_in_sequence():
 @needs_triton
 @BWD_CONFIGS
 def test_expanded_kv_overlapping_layout(cfg):
-    """k and v expanded over heads (stride 0, as grouped-query attention can pass them) and an expanded q:
-    the kernels write outputs with their operand's strides, so such operands must be copied, not aliased."""
+    """k and v expanded over heads (stride 0, as grouped-query attention can pass them) and an expanded q: read in
+    place, while each output (O, dQ, dK, dV) gets a dense layout of its own (an output aliased like its operand
+    would have every head write the same memory); autograd sums dK, dV over the expansion."""
     torch.manual_seed(8)
     q = torch.randn(1, 1, 40, 16, device=DEVICE).expand(2, 3, 40, 16).requires_grad_()
     k = torch.randn(2, 1, 33, 16, device=DEVICE).expand(2, 3, 33, 16).requires_grad_()

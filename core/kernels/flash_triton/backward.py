@@ -105,11 +105,13 @@ if HAVE_TRITON:
     # SEQ_CLASS is a tuning key only and n_heads only divides program ids: neither is specialized, so a
     # new sequence class or head count (1 vs 16) reuses the compiled kernel
     @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
-    def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, STATS,  # O and DQ are laid out like Q; STATS (Z*H, N_q, 2)
+    def _bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, STATS,  # STATS (Z*H, N_q, 2)
                        stride_qz, stride_qh, stride_qm,
                        stride_kz, stride_kh, stride_kn,
                        stride_vz, stride_vh, stride_vn,
                        stride_doz, stride_doh, stride_dom,
+                       stride_oz, stride_oh, stride_om,
+                       stride_dqz, stride_dqh, stride_dqm,
                        n_heads, n_q, n_k, causal_off, qk_scale, sm_scale, SEQ_CLASS,
                        IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        TAIL_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -120,8 +122,8 @@ if HAVE_TRITON:
         off_h = (pid_zh % n_heads).to(tl.int64)
         _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, STATS, pid_zh, off_z, off_h, pid_m * BLOCK_M,
                      stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
-                     stride_vz, stride_vh, stride_vn, stride_qz, stride_qh, stride_qm,
-                     stride_doz, stride_doh, stride_dom, stride_qz, stride_qh, stride_qm,
+                     stride_vz, stride_vh, stride_vn, stride_oz, stride_oh, stride_om,
+                     stride_doz, stride_doh, stride_dom, stride_dqz, stride_dqh, stride_dqm,
                      n_q, n_k, causal_off, qk_scale, sm_scale,
                      IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N, True)
 
@@ -285,11 +287,13 @@ if HAVE_TRITON:
     # SEQ_CLASS is a tuning key only and n_heads only divides program ids: neither is specialized, so a
     # new sequence class or head count (1 vs 16) reuses the compiled kernel
     @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
-    def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, STATS, DQ_ACC,  # DK, DV are laid out like K, V
+    def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, STATS, DQ_ACC,
                          stride_qz, stride_qh, stride_qm,
                          stride_kz, stride_kh, stride_kn,
                          stride_vz, stride_vh, stride_vn,
                          stride_doz, stride_doh, stride_dom,
+                         stride_dkz, stride_dkh, stride_dkn,
+                         stride_dvz, stride_dvh, stride_dvn,
                          n_heads, n_q, n_k, causal_off, qk_scale, sm_scale, SEQ_CLASS,
                          IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          TAIL_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
@@ -302,8 +306,8 @@ if HAVE_TRITON:
         _bwd_dkdv_tile(Q, K, V, STATS, DO, DK, DV, STATS, DQ_ACC, pid_zh, off_z, off_h, pid_n * BLOCK_N,
                        stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                        stride_vz, stride_vh, stride_vn, 0, 0, 0,
-                       stride_doz, stride_doh, stride_dom, stride_kz, stride_kh, stride_kn,
-                       stride_vz, stride_vh, stride_vn,
+                       stride_doz, stride_doh, stride_dom, stride_dkz, stride_dkh, stride_dkn,
+                       stride_dvz, stride_dvh, stride_dvn,
                        n_q, n_k, causal_off, qk_scale, sm_scale,
                        IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N, ATOMIC_DQ, False, DQ_TMA)
 
@@ -318,11 +322,15 @@ if HAVE_TRITON:
     # they are equal, which the config list keeps). delta = rowsum(dO * O) is recomputed from the O
     # and dO tiles wherever it is needed (no preprocessing launch, no delta buffer): fwd + bwd = 2 launches.
     @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
-    def _bwd_fused_kernel(Q, K, V, O, DO, DQ, DK, DV, LSE,  # O, DQ laid out like Q; DK like K; DV like V
+    def _bwd_fused_kernel(Q, K, V, O, DO, DQ, DK, DV, LSE,
                           stride_qz, stride_qh, stride_qm,
                           stride_kz, stride_kh, stride_kn,
                           stride_vz, stride_vh, stride_vn,
                           stride_doz, stride_doh, stride_dom,
+                          stride_oz, stride_oh, stride_om,
+                          stride_dqz, stride_dqh, stride_dqm,
+                          stride_dkz, stride_dkh, stride_dkn,
+                          stride_dvz, stride_dvh, stride_dvn,
                           n_heads, n_q, n_k, causal_off, qk_scale, sm_scale, SEQ_CLASS,
                           IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           TAIL_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -334,17 +342,17 @@ if HAVE_TRITON:
         if start_n < n_k:  # (a) key tile pid (natural-log LSE as its STATS); LSE stands in for the unused DQ_ACC
             _bwd_dkdv_tile(Q, K, V, O, DO, DK, DV, LSE, LSE, pid_zh, off_z, off_h, start_n,
                            stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
-                           stride_vz, stride_vh, stride_vn, stride_qz, stride_qh, stride_qm,
-                           stride_doz, stride_doh, stride_dom, stride_kz, stride_kh, stride_kn,
-                           stride_vz, stride_vh, stride_vn,
+                           stride_vz, stride_vh, stride_vn, stride_oz, stride_oh, stride_om,
+                           stride_doz, stride_doh, stride_dom, stride_dkz, stride_dkh, stride_dkn,
+                           stride_dvz, stride_dvh, stride_dvn,
                            n_q, n_k, causal_off, qk_scale, sm_scale,
                            IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N, False, True, False)
         start_m = pid * BLOCK_M
         if start_m < n_q:  # (b) query tile pid (its delta computed in place, not stored)
             _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, LSE, pid_zh, off_z, off_h, start_m,
                          stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
-                         stride_vz, stride_vh, stride_vn, stride_qz, stride_qh, stride_qm,
-                         stride_doz, stride_doh, stride_dom, stride_qz, stride_qh, stride_qm,
+                         stride_vz, stride_vh, stride_vn, stride_oz, stride_oh, stride_om,
+                         stride_doz, stride_doh, stride_dom, stride_dqz, stride_dqh, stride_dqm,
                          n_q, n_k, causal_off, qk_scale, sm_scale,
                          IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N, False)
 

@@ -36,21 +36,31 @@ def _check_runtime(q: Tensor) -> None:
                           "importing triton (slow), or use attention_impl=flash_torch")
 
 
-def _alloc_like(x: Tensor, cfg: FlashConfig, dtype=None) -> Tensor:
-    if cfg.poison_outputs:
-        return torch.full_like(x, float("nan"), dtype=dtype)
-    return torch.empty_like(x, dtype=dtype)
+def _dense_like(x: Tensor, dtype=None) -> Tensor:
+    """A new dense tensor shaped like x whose dimensions are laid out in x's stride order (outermost first).
+
+    An output (O, dQ, dK, dV) gets the layout of its operand where that operand is dense, and otherwise the same
+    dimension order without the gaps: q, k, v sliced from the model's fused qkv projection are (B, H, T, d) views of
+    a (B, T, 3H, d) buffer, and O then is a dense (B, T, H, d) buffer viewed as (B, H, T, d), which the model's
+    transpose back to (B, T, H * d) reads without a copy (as SDPA's outputs). An expanded GQA key (stride 0 over
+    the heads) gets a full dK, which autograd sums over the group; the head dim stays innermost. The kernels take every output's strides, so no
+    operand is copied."""
+    # the head dim innermost (the kernels' unit stride); the others outermost first, broadcast (stride 0) ones
+    # first in their own order
+    order = sorted(range(x.dim() - 1), key=lambda i: (x.stride(i) != 0, -x.stride(i), i)) + [x.dim() - 1]
+    buf = torch.empty([x.shape[i] for i in order], dtype=dtype or x.dtype, device=x.device)
+    return buf.permute([order.index(i) for i in range(x.dim())])
 
 
-def _operand_and_output(x: Tensor, cfg: FlashConfig) -> tuple[Tensor, Tensor]:
-    """(operand, output) that share one layout: the kernels address an output (O, dQ, dK, dV) with its operand's
-    strides. `empty_like` keeps the strides of a dense operand only; a view with gaps (q, k, v sliced from a fused
-    qkv projection) or one that overlaps itself (an expanded GQA key) gets dense strides of its own, so such an
-    operand is copied to those same strides first (not to `.contiguous()`, whose layout can differ again)."""
-    out = _alloc_like(x, cfg)
-    if out.stride() != x.stride():
-        x = torch.empty_like(out).copy_(x)
-    return x, out
+def _output_like(x: Tensor, cfg: FlashConfig, dtype=None) -> Tensor:
+    """The output for operand x (`_dense_like`): NaN-filled with `cfg.poison_outputs` (an unwritten element shows)."""
+    out = _dense_like(x, dtype)
+    return out.fill_(float("nan")) if cfg.poison_outputs else out
+
+
+def _strides(*tensors: Tensor) -> tuple[int, ...]:
+    """The (batch, head, row) strides of 4-D tensors, in order: the kernels' stride arguments."""
+    return tuple(s for t in tensors for s in t.stride()[:3])
 
 
 # ------------------------------------------------------------------------------------------------ forward
@@ -92,8 +102,7 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
     _check_runtime(q)
     z, h, n_q, d = q.shape
     n_k = k.shape[2]
-    q, o = _operand_and_output(q, cfg)
-    sq, sk, sv = q.stride(), k.stride(), v.stride()
+    o = _output_like(q, cfg)
     lse = torch.full((z, h, n_q), float("nan"), device=q.device, dtype=torch.float32) if cfg.poison_outputs \
         else torch.empty((z, h, n_q), device=q.device, dtype=torch.float32)
     causal_off = n_k - n_q if is_causal else 0
@@ -114,24 +123,23 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
             n_counts = z * h * _cdiv(n_q, bm)  # one per query tile
             arrivals = _ARRIVALS.get(q.device, n_counts)
             _run(_fwd_split_merge_kernel, (z * h, _cdiv(n_q, bm), splits),
-                 (q, k, v, o, lse, o_part, lse_part, arrivals, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
-                  sv[0], sv[1], sv[2], h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), split_len, seq_class), 8,
+                 (q, k, v, o, lse, o_part, lse_part, arrivals, *_strides(q, k, v, o),
+                  h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), split_len, seq_class), 8,
                  IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d, TAIL_D=tail_d, BLOCK_M=bm, BLOCK_N=bn,
                  SPLITS=splits,
                  ONE_LOOP=short, num_warps=warps, num_stages=stages)
             return o, lse
         _run(_fwd_split_kernel, (z * h, _cdiv(n_q, bm), splits),
-             (q, k, v, o_part, lse_part, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+             (q, k, v, o_part, lse_part, *_strides(q, k, v),
               h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), split_len, seq_class), 5,
              IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d, TAIL_D=tail_d, BLOCK_M=bm, BLOCK_N=bn,
              num_warps=warps, num_stages=stages)
         # 32-row merge tiles: 96 registers at d = 128 (64 rows: 230), and twice the programs on a small grid
         _run(_fwd_merge_kernel, (z * h, _cdiv(n_q, 32)),
-             (o_part, lse_part, o, lse, sq[0], sq[1], sq[2], h, n_q, splits), 4,
+             (o_part, lse_part, o, lse, *_strides(o), h, n_q, splits), 4,
              HEAD_DIM=d, BLOCK_D=block_d, TAIL_D=tail_d, BLOCK_M=32)
         return o, lse
-    args = (q, k, v, o, lse, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
-            h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), seq_class)
+    args = (q, k, v, o, lse, *_strides(q, k, v, o), h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), seq_class)
     _launch("fwd", _fwd_tuned if not common.INTERPRET else None, _fwd_kernel, z * h, n_q, args,
             is_causal, d, block_d, seq_class, q.dtype, tiles=pinned, TAIL_D=tail_d)
     return o, lse
@@ -211,21 +219,14 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     n_k = k.shape[2]
     if variant == BWD_FUSED and z * h > launch._MAX_GRID_Y:  # the fused grid's dim 1 is batch x heads
         variant = BWD_TWO_PASS
-    # the kernels address O and dQ with Q's strides, dK with K's and dV with V's (fewer launch arguments)
-    q, dq = _operand_and_output(q, cfg)
-    k, dk = _operand_and_output(k, cfg)
-    v, dv = _operand_and_output(v, cfg)
-    if o.stride() != q.stride():  # O saved by a forward on another layout of q
-        o = torch.empty_like(q).copy_(o)
-    sq, sk, sv, sdo = q.stride(), k.stride(), v.stride(), do.stride()
+    dq, dk, dv = _output_like(q, cfg), _output_like(k, cfg), _output_like(v, cfg)
     block_d, tail_d = _TILE_D[d]
     causal_off = n_k - n_q if is_causal else 0
     sm_scale = 1.0 / math.sqrt(d)
     seq_class = _seq_class(max(n_q, n_k), z * h)
     interpret = common.INTERPRET
     if variant == BWD_FUSED:  # one launch, no delta buffer
-        args = (q, k, v, o, do, dq, dk, dv, lse,
-                sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
+        args = (q, k, v, o, do, dq, dk, dv, lse, *_strides(q, k, v, do, o, dq, dk, dv),
                 h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
         _launch("fused", _fused_tuned if not interpret else None, _bwd_fused_kernel, z * h, n_q, args,
                 is_causal, d, block_d, seq_class, q.dtype, n_k=n_k, tiles=cfg.tile("fused"), TAIL_D=tail_d)
@@ -239,11 +240,10 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     if atomic_dq:  # the row stats first; the dK/dV pass then adds dS K into an fp32 buffer
         dq_acc = torch.empty((z, h, n_q, d), device=q.device, dtype=torch.float32)  # zeroed by the delta kernel
         _run(_bwd_delta_kernel, (z * h, _cdiv(n_q, 64)),
-             (o, do, lse, stats, dq_acc, sq[0], sq[1], sq[2], sdo[0], sdo[1], sdo[2], h, n_q), 5,
+             (o, do, lse, stats, dq_acc, *_strides(o, do), h, n_q), 5,
              HEAD_DIM=d, BLOCK_D=_POW2_D[d], BLOCK_M=64)
     else:  # the dQ pass (it also computes and stores the row stats)
-        dq_args = (q, k, v, o, do, dq, lse, stats,
-                   sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
+        dq_args = (q, k, v, o, do, dq, lse, stats, *_strides(q, k, v, do, o, dq),
                    h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
         _launch("dq", _dq_tuned if not interpret else None, _bwd_dq_kernel, z * h, n_q, dq_args,
                 is_causal, d, block_d, seq_class, q.dtype, tiles=cfg.tile("dq"), TAIL_D=tail_d)
@@ -254,8 +254,7 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         hopper.launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_scale, is_causal)
         torch.mul(dq_acc, sm_scale, out=dq)
         return dq, dk, dv
-    dkdv_args = (q, k, v, do, dk, dv, stats, dq_acc,
-                 sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
+    dkdv_args = (q, k, v, do, dk, dv, stats, dq_acc, *_strides(q, k, v, do, dk, dv),
                  h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
     name, tuned = ("dkdv_atomic", _dkdv_atomic_tuned if not interpret else None) if atomic_dq \
         else ("dkdv", _dkdv_tuned if not interpret else None)
@@ -277,7 +276,7 @@ def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, config: str
 
 @flash_attn_fwd.register_fake
 def _(q, k, v, is_causal, config=""):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return _dense_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 # bwd_variant: 0 two-pass, 1 atomic dQ, 2 fused (a bool, as the former `atomic_dq` argument, still binds:
@@ -292,7 +291,7 @@ def flash_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
 @flash_attn_bwd.register_fake
 def _(do, q, k, v, o, lse, is_causal, bwd_variant=0, config=""):
     _bwd_code(bwd_variant)  # an unknown variant fails while tracing too
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return _dense_like(q), _dense_like(k), _dense_like(v)
 
 
 def _op_setup_context(ctx, inputs, output):

@@ -137,10 +137,11 @@ if HAVE_TRITON:
     # SEQ_CLASS is a tuning key only and n_heads only divides program ids: neither is specialized, so a
     # new sequence class or head count (1 vs 16) reuses the compiled kernel
     @triton.jit(do_not_specialize=["n_heads", "SEQ_CLASS"])
-    def _fwd_kernel(Q, K, V, O, LSE,  # O is laid out like Q (same strides: fewer arguments per launch)
+    def _fwd_kernel(Q, K, V, O, LSE,
                     stride_qz, stride_qh, stride_qm,
                     stride_kz, stride_kh, stride_kn,
                     stride_vz, stride_vh, stride_vn,
+                    stride_oz, stride_oh, stride_om,
                     n_heads, n_q, n_k, causal_off, qk_scale, SEQ_CLASS,
                     IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -153,7 +154,7 @@ if HAVE_TRITON:
                                         stride_vz, stride_vh, stride_vn, n_heads, n_q, n_k, causal_off, qk_scale,
                                         IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        _store_output(O, LSE, pid_zh, n_heads, stride_qz, stride_qh, stride_qm, start_m + tl.arange(0, BLOCK_M),
+        _store_output(O, LSE, pid_zh, n_heads, stride_oz, stride_oh, stride_om, start_m + tl.arange(0, BLOCK_M),
                       offs_d, _tail_cols(offs_d, BLOCK_D, TAIL_D), n_q, acc, acc1, m_i, l_i, HEAD_DIM, BLOCK_D,
                       TAIL_D)
 
@@ -234,6 +235,7 @@ if HAVE_TRITON:
                                 stride_qz, stride_qh, stride_qm,
                                 stride_kz, stride_kh, stride_kn,
                                 stride_vz, stride_vh, stride_vn,
+                                stride_oz, stride_oh, stride_om,
                                 n_heads, n_q, n_k, causal_off, qk_scale, split_len, SEQ_CLASS,
                                 IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                                 TAIL_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -277,6 +279,6 @@ if HAVE_TRITON:
                     lse_s = tl.load(LP + row_s, mask=rows_s, other=float("-inf"), cache_modifier=".cg")
                     o_s, o_s1 = _load_partial(OP, row_s, offs_d, offs_t, rows_s, BLOCK_D, TAIL_D, ".cg")
                     acc, acc1, m_run, l_run = _merge_step(acc, acc1, m_run, l_run, o_s, o_s1, lse_s, TAIL_D)
-                _store_output(O, LSE, pid_zh, n_heads, stride_qz, stride_qh, stride_qm, offs_m, offs_d, offs_t, n_q,
+                _store_output(O, LSE, pid_zh, n_heads, stride_oz, stride_oh, stride_om, offs_m, offs_d, offs_t, n_q,
                               acc, acc1, m_run, l_run, HEAD_DIM, BLOCK_D, TAIL_D)
                 tl.store(count, 0)  # every split of this launch has arrived: ready for the next launch

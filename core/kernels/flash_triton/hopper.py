@@ -127,16 +127,16 @@ if HAVE_GLUON:
         return k, v
 
     @gluon.jit
-    def _store_dkdv(DK, DV, dk, dv, off_z, off_h, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh,
-                    stride_vn, n_k, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, mma_d: gl.constexpr):
-        """dK (scaled) and dV of keys start_n ..., laid out like K and V; rows past n_k are not written."""
+    def _store_dkdv(DK, DV, dk, dv, off_z, off_h, start_n, stride_dkz, stride_dkh, stride_dkn, stride_dvz,
+                    stride_dvh, stride_dvn, n_k, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, mma_d: gl.constexpr):
+        """dK (scaled) and dV of keys start_n ... at the given strides; rows past n_k are not written."""
         dtype: gl.constexpr = DK.dtype.element_ty
         out_rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_d))
         out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma_d))
         out_mask = gl.expand_dims(out_rows < n_k, 1)
-        gl.store(DK + off_z * stride_kz + off_h * stride_kh + gl.expand_dims(out_rows, 1) * stride_kn
+        gl.store(DK + off_z * stride_dkz + off_h * stride_dkh + gl.expand_dims(out_rows, 1) * stride_dkn
                  + gl.expand_dims(out_cols, 0), (dk * sm_scale).to(dtype), mask=out_mask)
-        gl.store(DV + off_z * stride_vz + off_h * stride_vh + gl.expand_dims(out_rows, 1) * stride_vn
+        gl.store(DV + off_z * stride_dvz + off_h * stride_dvh + gl.expand_dims(out_rows, 1) * stride_dvn
                  + gl.expand_dims(out_cols, 0), dv.to(dtype), mask=out_mask)
 
     @gluon.jit
@@ -263,7 +263,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _ws_warpgroup(ROLE: gl.constexpr, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem,
                       stats_smem, k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h, start_cta,
-                      lo, n_steps, stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn, n_q,
+                      lo, n_steps, stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
+                      stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q,
                       n_k, causal_off, qk_scale, sm_scale, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr):
         """Warpgroup ROLE of a program: keys start_cta + ROLE * BLOCK_N ..., over the program's query steps."""
@@ -292,13 +293,14 @@ if HAVE_GLUON:
         dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
         if ROLE == 1:
             tma.store_wait(0)
-        _store_dkdv(DK, DV, dk, dv, off_z, off_h, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh,
-                    stride_vn, n_k, sm_scale, HEAD_DIM, BLOCK_N, mma_d)
+        _store_dkdv(DK, DV, dk, dv, off_z, off_h, start_n, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh,
+                    stride_dvn, n_k, sm_scale, HEAD_DIM, BLOCK_N, mma_d)
 
     @gluon.jit
     def _bwd_ws_kernel(Q, K, V, DO, DK, DV, STATS, DQ_ACC,  # DQ_ACC (Z*H, N_q, d) fp32, zeroed; dQ = sm_scale DQ_ACC
                        stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                        stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
+                       stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
                        n_heads, n_q, n_k, n_rows_all, causal_off, qk_scale, sm_scale,
                        IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr, WS_REGS: gl.constexpr):
@@ -345,13 +347,13 @@ if HAVE_GLUON:
             (_ws_warpgroup, (0, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem,
                              k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h, start_cta, lo,
                              n_steps, stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
-                             n_q, n_k, causal_off, qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                             PREFETCH)),
+                             stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k,
+                             causal_off, qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PREFETCH)),
             (_ws_warpgroup, (1, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem,
                              k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h, start_cta, lo,
                              n_steps, stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
-                             n_q, n_k, causal_off, qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                             PREFETCH)),
+                             stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k,
+                             causal_off, qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PREFETCH)),
         ], [4], [WS_REGS])
 
 
@@ -377,8 +379,7 @@ def launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_sc
     """dK, dV, and the unscaled dQ = dS K added into the zeroed fp32 `dq_acc`, from the delta kernel's `stats`."""
     launch._ensure_scratch_allocator()  # the kernel builds its TMA descriptors on the device
     z = q.shape[0]
-    sq, sk, sv, sdo = q.stride(), k.stride(), v.stride(), do.stride()
-    strides = (sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2])
+    strides = tuple(s for t in (q, k, v, do, dk, dv) for s in t.stride()[:3])
     scalars = (h, n_q, n_k, z * h * n_q, causal_off, sm_scale * LOG2E, sm_scale)
     # two warpgroups of 64 keys per program, head by head
     _bwd_ws_kernel[(z * h * _cdiv(n_k, WS_KEYS),)](
