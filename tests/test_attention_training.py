@@ -20,18 +20,20 @@ IMPLS = [pytest.param("flash_torch", id="flash_torch"),
 SMALL = ["train.batch_size=2", "data.max_bytes=100000", "model.context_length=64", "mesh.device=cpu"]
 
 
-def _first_step_grads(impl: str, tmp_path) -> tuple[float, dict[str, torch.Tensor]]:
+def _first_step_grads(impl: str, tmp_path, extra: tuple[str, ...] = ()) -> tuple[float, dict[str, torch.Tensor]]:
     from core.trainer import build
 
-    run = build(compose_cfg(FAST + SMALL + [f"attention_impl={impl}"], tmp_path / impl))
+    run = build(compose_cfg(FAST + SMALL + [f"attention_impl={impl}", *extra], tmp_path / impl))
     loss = run.forward_backward(0)
     return float(loss), {n: p.grad.clone() for n, p in run.raw_model.named_parameters()}
 
 
+@pytest.mark.parametrize("kv", [(), ("model.n_kv_heads=2",)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_first_step_gradients_match_sdpa(impl, tmp_path):
-    loss_ref, ref = _first_step_grads("sdpa", tmp_path)
-    loss, got = _first_step_grads(impl, tmp_path)
+def test_first_step_gradients_match_sdpa(impl, kv, tmp_path):
+    """gqa: 2 KV heads, which flash_triton takes as they are (`native_gqa`) and flash_torch expanded."""
+    loss_ref, ref = _first_step_grads("sdpa", tmp_path, kv)
+    loss, got = _first_step_grads(impl, tmp_path, kv)
     assert loss == pytest.approx(loss_ref, rel=1e-5)
     for name, g in ref.items():
         # every attention projection's gradient, the value projection's slice of qkv_proj included

@@ -159,6 +159,45 @@ def fused_qkv_views(b, t, h, h_kv, d, dtype, views):
 VIEW_COMBOS = [(q, k, v) for q in (False, True) for k in (False, True) for v in (False, True)]
 
 
+def check_gqa_against_reference(cfg, b, h, kv_heads, n_q, n_k, d, dtype, causal):
+    """flash_triton on k, v with kv_heads heads (q has h) as they are, against float64 attention over k, v repeated
+    per query head, whose autograd sums dK, dV over each group."""
+    q = torch.randn(b, h, n_q, d, device=DEVICE, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, kv_heads, n_k, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(2))
+    out = FlashAttentionTriton.apply(q, k, v, causal, cfg)
+    do = torch.randn_like(out)
+    out.backward(do)
+    qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref, _ = reference_attention(qr, kr.repeat_interleave(h // kv_heads, dim=1),
+                                 vr.repeat_interleave(h // kv_heads, dim=1), causal)
+    ref.backward(do.double())
+    assert rel_err(out, ref) < TOL[dtype]
+    for g, gr, x in ((q.grad, qr.grad, q), (k.grad, kr.grad, k), (v.grad, vr.grad, v)):
+        assert g.shape == x.shape and g.dtype == dtype and rel_err(g, gr) < TOL[dtype]
+
+
+@needs_triton
+@BWD_CONFIGS
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_grouped_query_attention_natively(cfg, kv_heads):
+    """4 query heads on 1 or 2 KV heads, k and v passed with their own heads (no copies): every backward variant,
+    causal and not, N_q != N_k, d = 80 (a 64-column part and a tail)."""
+    torch.manual_seed(kv_heads)
+    for causal in (True, False):
+        check_gqa_against_reference(cfg, 2, 4, kv_heads, 37, 45, 80, torch.float32, causal)
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cfg", [TWO_PASS, FlashConfig(backward="atomic_dq", ws_min_rows=0), FUSED],
+                         ids=["two_pass", "atomic_dq_ws", "fused"])
+def test_gpu_grouped_query_attention_natively(cfg):
+    """GQA on the compiled kernels (the Gluon backward where it applies: d = 64, bf16), causal and not."""
+    torch.manual_seed(3)
+    for causal in (True, False):
+        check_gqa_against_reference(cfg, 2, 8, 2, 1024, 1024, 64, torch.bfloat16, causal)
+
+
 @needs_triton
 def test_outputs_of_fused_projection_views_are_dense_in_the_model_order():
     """q, k, v sliced from the fused projection are read in place (no copies); O and the gradients are dense in the

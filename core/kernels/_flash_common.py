@@ -27,11 +27,18 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     return None
 
 
-def check_inputs(q: Tensor, k: Tensor, v: Tensor, who: str) -> None:
-    """Raise a one-line ConfigError for anything the kernels do not support."""
+def _gqa_heads(qs, ks) -> bool:
+    """q and k shapes of grouped-query attention: the same batch dims, k's heads (dim -3) a divisor of q's."""
+    return len(qs) >= 3 and len(ks) == len(qs) and qs[:-3] == ks[:-3] and ks[-3] > 0 and qs[-3] % ks[-3] == 0
+
+
+def check_inputs(q: Tensor, k: Tensor, v: Tensor, who: str, gqa: bool = False) -> None:
+    """Raise a one-line ConfigError for anything the kernels do not support. `gqa`: k and v may have fewer heads
+    (dim -3) than q, a divisor of q's (grouped-query attention)."""
     try:  # the common case in one expression: this runs on every attention call (host-bound when short)
         qs, ks = q.shape, k.shape
-        if (len(qs) >= 2 and ks == v.shape and qs[:-2] == ks[:-2] and ks[-1] == qs[-1]
+        if (len(qs) >= 2 and ks == v.shape and (qs[:-2] == ks[:-2] or gqa and _gqa_heads(qs, ks))
+                and ks[-1] == qs[-1]
                 and 0 < qs[-1] <= MAX_HEAD_DIM and qs[-2] > 0 and ks[-2] > 0
                 and q.dtype in SUPPORTED_DTYPES and q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
             return
@@ -63,9 +70,10 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, who: str) -> None:
     if k.shape != v.shape:
         raise ConfigError(key, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape",
                           "give k and v the same shape")
-    if q.shape[:-2] != k.shape[:-2]:
-        raise ConfigError(key, f"leading dims differ (q {tuple(q.shape[:-2])}, k {tuple(k.shape[:-2])})",
-                          "expand k and v to q's batch/head dims (grouped-query: repeat_kv)")
+    if q.shape[:-2] != k.shape[:-2] and not (gqa and _gqa_heads(q.shape, k.shape)):
+        fix = ("give k and v q's batch dims and a number of heads (dim -3) that divides q's" if gqa
+               else "expand k and v to q's batch/head dims (grouped-query: repeat_kv)")
+        raise ConfigError(key, f"leading dims differ (q {tuple(q.shape[:-2])}, k {tuple(k.shape[:-2])})", fix)
     if q.shape[-2] == 0 or k.shape[-2] == 0:
         raise ConfigError(key, "empty sequence", "pass at least one query and one key")
 

@@ -33,7 +33,7 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False,
                 config: FlashConfig | None = None) -> Tensor:
-        check_inputs(q, k, v, "flash_triton")
+        check_inputs(q, k, v, "flash_triton", gqa=True)
         cfg = DEFAULT_CONFIG if config is None else config
         is_causal = bool(is_causal)
         in_dtypes = (q.dtype, k.dtype, v.dtype)
@@ -85,7 +85,7 @@ class FlashAttentionTriton(torch.autograd.Function):
 def flash_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False,
                              config: FlashConfig | None = None) -> tuple[Tensor, Tensor]:
     """(out, logsumexp) without autograd, for tests and diagnostics."""
-    check_inputs(q, k, v, "flash_triton")
+    check_inputs(q, k, v, "flash_triton", gqa=True)
     lead = q.shape[:-2]
     o4, lse4 = flash_fwd_impl(_to_4d(q), _to_4d(k), _to_4d(v), bool(is_causal),
                               DEFAULT_CONFIG if config is None else config)

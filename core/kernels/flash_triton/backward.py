@@ -48,7 +48,7 @@ if HAVE_TRITON:
         return dq, dq1
 
     @triton.jit
-    def _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, STATS, pid_zh, off_z, off_h, start_m,
+    def _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, STATS, pid_zh, off_z, off_h, off_hk, start_m,
                      stride_qz, stride_qh, stride_qm,
                      stride_kz, stride_kh, stride_kn,
                      stride_vz, stride_vh, stride_vn,
@@ -63,8 +63,8 @@ if HAVE_TRITON:
         delta = rowsum(dO * O) of these rows is computed here from the O and dO tiles; with STORE_STATS
         it is stored for the dK/dV pass with the base-2 logsumexp (+inf for rows that see no key, which
         that pass would otherwise rederive for every tile it visits): STATS[row] = (lse2, delta)."""
-        k_base = K + off_z * stride_kz + off_h * stride_kh
-        v_base = V + off_z * stride_vz + off_h * stride_vh
+        k_base = K + off_z * stride_kz + off_hk * stride_kh  # off_hk: the query head's KV head (GQA)
+        v_base = V + off_z * stride_vz + off_hk * stride_vh
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_n0 = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
@@ -112,7 +112,7 @@ if HAVE_TRITON:
                        stride_doz, stride_doh, stride_dom,
                        stride_oz, stride_oh, stride_om,
                        stride_dqz, stride_dqh, stride_dqm,
-                       n_heads, n_q, n_k, causal_off, qk_scale, sm_scale, SEQ_CLASS,
+                       n_heads, kv_group, n_q, n_k, causal_off, qk_scale, sm_scale, SEQ_CLASS,
                        IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        TAIL_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         n_tiles = tl.cdiv(n_q, BLOCK_M)
@@ -120,7 +120,7 @@ if HAVE_TRITON:
         pid_m = n_tiles - 1 - tile  # heavy-first
         off_z = (pid_zh // n_heads).to(tl.int64)
         off_h = (pid_zh % n_heads).to(tl.int64)
-        _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, STATS, pid_zh, off_z, off_h, pid_m * BLOCK_M,
+        _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, STATS, pid_zh, off_z, off_h, off_h // kv_group, pid_m * BLOCK_M,
                      stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                      stride_vz, stride_vh, stride_vn, stride_oz, stride_oh, stride_om,
                      stride_doz, stride_doh, stride_dom, stride_dqz, stride_dqh, stride_dqm,
@@ -204,7 +204,7 @@ if HAVE_TRITON:
         return dk, dk1, dv, dv1
 
     @triton.jit
-    def _bwd_dkdv_tile(Q, K, V, O, DO, DK, DV, STATS, DQ_ACC, pid_zh, off_z, off_h, start_n,
+    def _bwd_dkdv_tile(Q, K, V, O, DO, DK, DV, STATS, DQ_ACC, pid_zh, off_z, off_h, off_hk, start_n,
                        stride_qz, stride_qh, stride_qm,
                        stride_kz, stride_kh, stride_kn,
                        stride_vz, stride_vh, stride_vn,
@@ -242,9 +242,9 @@ if HAVE_TRITON:
         offs_m0 = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_t = _tail_cols(offs_d, BLOCK_D, TAIL_D)
-        k, k1 = _load_parts(K + off_z * stride_kz + off_h * stride_kh, offs_n, stride_kn, n_k, offs_d, offs_t,
+        k, k1 = _load_parts(K + off_z * stride_kz + off_hk * stride_kh, offs_n, stride_kn, n_k, offs_d, offs_t,
                             HEAD_DIM, BLOCK_D, TAIL_D, True)
-        v, v1 = _load_parts(V + off_z * stride_vz + off_h * stride_vh, offs_n, stride_vn, n_k, offs_d, offs_t,
+        v, v1 = _load_parts(V + off_z * stride_vz + off_hk * stride_vh, offs_n, stride_vn, n_k, offs_d, offs_t,
                             HEAD_DIM, BLOCK_D, TAIL_D, True)
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -294,7 +294,7 @@ if HAVE_TRITON:
                          stride_doz, stride_doh, stride_dom,
                          stride_dkz, stride_dkh, stride_dkn,
                          stride_dvz, stride_dvh, stride_dvn,
-                         n_heads, n_q, n_k, causal_off, qk_scale, sm_scale, SEQ_CLASS,
+                         n_heads, kv_group, n_q, n_k, causal_off, qk_scale, sm_scale, SEQ_CLASS,
                          IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          TAIL_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                          DQ_TMA: tl.constexpr):
@@ -303,7 +303,7 @@ if HAVE_TRITON:
         off_h = (pid_zh % n_heads).to(tl.int64)
         # the (base-2 logsumexp, delta) pairs come from the first backward launch (STATS); O is not read
         # (STATS stands in for it, zero strides)
-        _bwd_dkdv_tile(Q, K, V, STATS, DO, DK, DV, STATS, DQ_ACC, pid_zh, off_z, off_h, pid_n * BLOCK_N,
+        _bwd_dkdv_tile(Q, K, V, STATS, DO, DK, DV, STATS, DQ_ACC, pid_zh, off_z, off_h, off_h // kv_group, pid_n * BLOCK_N,
                        stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                        stride_vz, stride_vh, stride_vn, 0, 0, 0,
                        stride_doz, stride_doh, stride_dom, stride_dkz, stride_dkh, stride_dkn,
@@ -331,7 +331,7 @@ if HAVE_TRITON:
                           stride_dqz, stride_dqh, stride_dqm,
                           stride_dkz, stride_dkh, stride_dkn,
                           stride_dvz, stride_dvh, stride_dvn,
-                          n_heads, n_q, n_k, causal_off, qk_scale, sm_scale, SEQ_CLASS,
+                          n_heads, kv_group, n_q, n_k, causal_off, qk_scale, sm_scale, SEQ_CLASS,
                           IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           TAIL_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         pid = tl.program_id(0)
@@ -340,7 +340,7 @@ if HAVE_TRITON:
         off_h = (pid_zh % n_heads).to(tl.int64)
         start_n = pid * BLOCK_N
         if start_n < n_k:  # (a) key tile pid (natural-log LSE as its STATS); LSE stands in for the unused DQ_ACC
-            _bwd_dkdv_tile(Q, K, V, O, DO, DK, DV, LSE, LSE, pid_zh, off_z, off_h, start_n,
+            _bwd_dkdv_tile(Q, K, V, O, DO, DK, DV, LSE, LSE, pid_zh, off_z, off_h, off_h // kv_group, start_n,
                            stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                            stride_vz, stride_vh, stride_vn, stride_oz, stride_oh, stride_om,
                            stride_doz, stride_doh, stride_dom, stride_dkz, stride_dkh, stride_dkn,
@@ -349,7 +349,7 @@ if HAVE_TRITON:
                            IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N, False, True, False)
         start_m = pid * BLOCK_M
         if start_m < n_q:  # (b) query tile pid (its delta computed in place, not stored)
-            _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, LSE, pid_zh, off_z, off_h, start_m,
+            _bwd_dq_tile(Q, K, V, O, DO, DQ, LSE, LSE, pid_zh, off_z, off_h, off_h // kv_group, start_m,
                          stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                          stride_vz, stride_vh, stride_vn, stride_oz, stride_oh, stride_om,
                          stride_doz, stride_doh, stride_dom, stride_dqz, stride_dqh, stride_dqm,

@@ -124,14 +124,14 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
             arrivals = _ARRIVALS.get(q.device, n_counts)
             _run(_fwd_split_merge_kernel, (z * h, _cdiv(n_q, bm), splits),
                  (q, k, v, o, lse, o_part, lse_part, arrivals, *_strides(q, k, v, o),
-                  h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), split_len, seq_class), 8,
+                  h, h // k.shape[1], n_q, n_k, causal_off, LOG2E / math.sqrt(d), split_len, seq_class), 8,
                  IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d, TAIL_D=tail_d, BLOCK_M=bm, BLOCK_N=bn,
                  SPLITS=splits,
                  ONE_LOOP=short, num_warps=warps, num_stages=stages)
             return o, lse
         _run(_fwd_split_kernel, (z * h, _cdiv(n_q, bm), splits),
              (q, k, v, o_part, lse_part, *_strides(q, k, v),
-              h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), split_len, seq_class), 5,
+              h, h // k.shape[1], n_q, n_k, causal_off, LOG2E / math.sqrt(d), split_len, seq_class), 5,
              IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d, TAIL_D=tail_d, BLOCK_M=bm, BLOCK_N=bn,
              num_warps=warps, num_stages=stages)
         # 32-row merge tiles: 96 registers at d = 128 (64 rows: 230), and twice the programs on a small grid
@@ -139,7 +139,8 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
              (o_part, lse_part, o, lse, *_strides(o), h, n_q, splits), 4,
              HEAD_DIM=d, BLOCK_D=block_d, TAIL_D=tail_d, BLOCK_M=32)
         return o, lse
-    args = (q, k, v, o, lse, *_strides(q, k, v, o), h, n_q, n_k, causal_off, LOG2E / math.sqrt(d), seq_class)
+    args = (q, k, v, o, lse, *_strides(q, k, v, o), h, h // k.shape[1], n_q, n_k, causal_off, LOG2E / math.sqrt(d),
+            seq_class)
     _launch("fwd", _fwd_tuned if not common.INTERPRET else None, _fwd_kernel, z * h, n_q, args,
             is_causal, d, block_d, seq_class, q.dtype, tiles=pinned, TAIL_D=tail_d)
     return o, lse
@@ -199,6 +200,16 @@ def _default_bwd(q4: Tensor, k4: Tensor, do4: Tensor, cfg: FlashConfig = DEFAULT
     return BWD_TWO_PASS
 
 
+def _sum_groups(dx: Tensor, x: Tensor, group: int) -> Tensor:
+    """dK or dV per query head (Z, H, N_k, d) summed over each KV head's `group` query heads into a gradient laid
+    out like its operand x (`_dense_like`), in fp32 and rounded once (the kernels run per query head, so no two
+    programs add into one row)."""
+    if group == 1:
+        return dx
+    z, h, n, d = dx.shape
+    return _dense_like(x).copy_(dx.view(z, h // group, group, n, d).sum(2, dtype=torch.float32))
+
+
 def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                    is_causal: bool, bwd_variant: int | str = BWD_TWO_PASS,
                    cfg: FlashConfig = DEFAULT_CONFIG) -> tuple[Tensor, Tensor, Tensor]:
@@ -219,7 +230,15 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     n_k = k.shape[2]
     if variant == BWD_FUSED and z * h > launch._MAX_GRID_Y:  # the fused grid's dim 1 is batch x heads
         variant = BWD_TWO_PASS
-    dq, dk, dv = _output_like(q, cfg), _output_like(k, cfg), _output_like(v, cfg)
+    group = h // k.shape[1]  # query heads per KV head (grouped-query attention)
+    dq = _output_like(q, cfg)
+    if group == 1:
+        dk, dv = _output_like(k, cfg), _output_like(v, cfg)
+    else:  # per query head here, summed over each KV head's group at the end (`_sum_groups`)
+        dk, dv = (torch.empty((z, h, n_k, d), dtype=k.dtype, device=k.device) for _ in range(2))
+        if cfg.poison_outputs:
+            dk.fill_(float("nan"))
+            dv.fill_(float("nan"))
     block_d, tail_d = _TILE_D[d]
     causal_off = n_k - n_q if is_causal else 0
     sm_scale = 1.0 / math.sqrt(d)
@@ -227,10 +246,10 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     interpret = common.INTERPRET
     if variant == BWD_FUSED:  # one launch, no delta buffer
         args = (q, k, v, o, do, dq, dk, dv, lse, *_strides(q, k, v, do, o, dq, dk, dv),
-                h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
+                h, group, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
         _launch("fused", _fused_tuned if not interpret else None, _bwd_fused_kernel, z * h, n_q, args,
                 is_causal, d, block_d, seq_class, q.dtype, n_k=n_k, tiles=cfg.tile("fused"), TAIL_D=tail_d)
-        return dq, dk, dv
+        return dq, _sum_groups(dk, k, group), _sum_groups(dv, v, group)
     atomic_dq = variant == BWD_ATOMIC_DQ
     dq_tma = atomic_dq and launch._has_tma(q.device) and d % 4 == 0  # TMA: 16-byte rows of the fp32 dQ buffer
     if dq_tma:
@@ -244,7 +263,7 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
              HEAD_DIM=d, BLOCK_D=_POW2_D[d], BLOCK_M=64)
     else:  # the dQ pass (it also computes and stores the row stats)
         dq_args = (q, k, v, o, do, dq, lse, stats, *_strides(q, k, v, do, o, dq),
-                   h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
+                   h, group, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
         _launch("dq", _dq_tuned if not interpret else None, _bwd_dq_kernel, z * h, n_q, dq_args,
                 is_causal, d, block_d, seq_class, q.dtype, tiles=cfg.tile("dq"), TAIL_D=tail_d)
         dq_acc = stats  # DQ_ACC is not touched without atomics
@@ -253,9 +272,9 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         # the warp-specialised Gluon kernel adds unscaled dS K tiles
         hopper.launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_scale, is_causal)
         torch.mul(dq_acc, sm_scale, out=dq)
-        return dq, dk, dv
+        return dq, _sum_groups(dk, k, group), _sum_groups(dv, v, group)
     dkdv_args = (q, k, v, do, dk, dv, stats, dq_acc, *_strides(q, k, v, do, dk, dv),
-                 h, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
+                 h, group, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
     name, tuned = ("dkdv_atomic", _dkdv_atomic_tuned if not interpret else None) if atomic_dq \
         else ("dkdv", _dkdv_tuned if not interpret else None)
     _launch(name, tuned, _bwd_dkdv_kernel, z * h, n_k, dkdv_args,
@@ -263,7 +282,7 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
             DQ_TMA=dq_tma)
     if atomic_dq:
         dq.copy_(dq_acc)
-    return dq, dk, dv
+    return dq, _sum_groups(dk, k, group), _sum_groups(dv, v, group)
 
 
 # ------------------------------------------------------------------------------- torch.library registration

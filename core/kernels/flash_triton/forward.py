@@ -52,7 +52,7 @@ if HAVE_TRITON:
     @triton.jit
     def _fwd_rows(Q, K, V, pid_zh, start_m, key_lo, key_hi,
                   stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
-                  n_heads, n_q, n_k, causal_off, qk_scale,
+                  n_heads, kv_group, n_q, n_k, causal_off, qk_scale,
                   IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_LOOP: tl.constexpr = False):
         """Online softmax of the BLOCK_M query rows from start_m over the keys in [key_lo, key_hi) that they
@@ -61,8 +61,9 @@ if HAVE_TRITON:
         tiles and the ragged last tile with masks."""
         off_z = (pid_zh // n_heads).to(tl.int64)
         off_h = (pid_zh % n_heads).to(tl.int64)
-        k_base = K + off_z * stride_kz + off_h * stride_kh
-        v_base = V + off_z * stride_vz + off_h * stride_vh
+        off_hk = off_h // kv_group  # the query head's KV head (grouped-query attention; 1: one each)
+        k_base = K + off_z * stride_kz + off_hk * stride_kh
+        v_base = V + off_z * stride_vz + off_hk * stride_vh
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_n0 = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
@@ -142,7 +143,7 @@ if HAVE_TRITON:
                     stride_kz, stride_kh, stride_kn,
                     stride_vz, stride_vh, stride_vn,
                     stride_oz, stride_oh, stride_om,
-                    n_heads, n_q, n_k, causal_off, qk_scale, SEQ_CLASS,
+                    n_heads, kv_group, n_q, n_k, causal_off, qk_scale, SEQ_CLASS,
                     IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         n_tiles = tl.cdiv(n_q, BLOCK_M)
@@ -151,7 +152,7 @@ if HAVE_TRITON:
         start_m = (n_tiles - 1 - tile) * BLOCK_M
         acc, acc1, m_i, l_i = _fwd_rows(Q, K, V, pid_zh, start_m, 0, n_k,
                                         stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
-                                        stride_vz, stride_vh, stride_vn, n_heads, n_q, n_k, causal_off, qk_scale,
+                                        stride_vz, stride_vh, stride_vn, n_heads, kv_group, n_q, n_k, causal_off, qk_scale,
                                         IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         _store_output(O, LSE, pid_zh, n_heads, stride_oz, stride_oh, stride_om, start_m + tl.arange(0, BLOCK_M),
@@ -168,7 +169,7 @@ if HAVE_TRITON:
                           stride_qz, stride_qh, stride_qm,
                           stride_kz, stride_kh, stride_kn,
                           stride_vz, stride_vh, stride_vn,
-                          n_heads, n_q, n_k, causal_off, qk_scale, split_len, SEQ_CLASS,
+                          n_heads, kv_group, n_q, n_k, causal_off, qk_scale, split_len, SEQ_CLASS,
                           IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           TAIL_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         pid_zh = tl.program_id(0)
@@ -177,7 +178,7 @@ if HAVE_TRITON:
         key_lo = split * split_len  # a multiple of BLOCK_N: the masked / unmasked split stays tile-aligned
         acc, acc1, m_i, l_i = _fwd_rows(Q, K, V, pid_zh, start_m, key_lo, key_lo + split_len,
                                         stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
-                                        stride_vz, stride_vh, stride_vn, n_heads, n_q, n_k, causal_off, qk_scale,
+                                        stride_vz, stride_vh, stride_vn, n_heads, kv_group, n_q, n_k, causal_off, qk_scale,
                                         IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N)
         # a split this tile does not reach (or rows that see none of its keys): output 0, logsumexp -inf
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -236,7 +237,7 @@ if HAVE_TRITON:
                                 stride_kz, stride_kh, stride_kn,
                                 stride_vz, stride_vh, stride_vn,
                                 stride_oz, stride_oh, stride_om,
-                                n_heads, n_q, n_k, causal_off, qk_scale, split_len, SEQ_CLASS,
+                                n_heads, kv_group, n_q, n_k, causal_off, qk_scale, split_len, SEQ_CLASS,
                                 IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                                 TAIL_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                 SPLITS: tl.constexpr, ONE_LOOP: tl.constexpr):
@@ -253,7 +254,7 @@ if HAVE_TRITON:
             key_lo = split * split_len
             acc, acc1, m_i, l_i = _fwd_rows(Q, K, V, pid_zh, start_m, key_lo, key_lo + split_len,
                                             stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
-                                            stride_vz, stride_vh, stride_vn, n_heads, n_q, n_k, causal_off,
+                                            stride_vz, stride_vh, stride_vn, n_heads, kv_group, n_q, n_k, causal_off,
                                             qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N,
                                             ONE_LOOP)
             offs_m = start_m + tl.arange(0, BLOCK_M)

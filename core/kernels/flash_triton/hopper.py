@@ -262,7 +262,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_warpgroup(ROLE: gl.constexpr, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem,
-                      stats_smem, k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h, start_cta,
+                      stats_smem, k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h, off_hk,
+                      start_cta,
                       lo, n_steps, stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                       stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q,
                       n_k, causal_off, qk_scale, sm_scale, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -273,7 +274,7 @@ if HAVE_GLUON:
                                                          instr_shape=[16, BLOCK_M, 16])
         mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
-        k, v = _load_kv(K, V, off_z, off_h, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh,
+        k, v = _load_kv(K, V, off_z, off_hk, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh,
                         stride_vn, n_k, HEAD_DIM, BLOCK_N, 4)
         k_smem.slice(ROLE * BLOCK_N, BLOCK_N).store(k)  # dQ's B operand (fenced before the first dQ)
         k_op = gl.convert_layout(k, gl.DotOperandLayout(0, mma_s, 2))
@@ -301,7 +302,7 @@ if HAVE_GLUON:
                        stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                        stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
                        stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
-                       n_heads, n_q, n_k, n_rows_all, causal_off, qk_scale, sm_scale,
+                       n_heads, kv_group, n_q, n_k, n_rows_all, causal_off, qk_scale, sm_scale,
                        IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr, WS_REGS: gl.constexpr):
         gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
@@ -345,12 +346,14 @@ if HAVE_GLUON:
         # (the argument tuples are spelled out: a tuple built in Gluon code drops its constexprs)
         gl.warp_specialize([
             (_ws_warpgroup, (0, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem,
-                             k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h, start_cta, lo,
+                             k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h,
+                             off_h // kv_group, start_cta, lo,
                              n_steps, stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                              stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k,
                              causal_off, qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PREFETCH)),
             (_ws_warpgroup, (1, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem,
-                             k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h, start_cta, lo,
+                             k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h,
+                             off_h // kv_group, start_cta, lo,
                              n_steps, stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                              stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k,
                              causal_off, qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PREFETCH)),
@@ -380,7 +383,7 @@ def launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_sc
     launch._ensure_scratch_allocator()  # the kernel builds its TMA descriptors on the device
     z = q.shape[0]
     strides = tuple(s for t in (q, k, v, do, dk, dv) for s in t.stride()[:3])
-    scalars = (h, n_q, n_k, z * h * n_q, causal_off, sm_scale * LOG2E, sm_scale)
+    scalars = (h, h // k.shape[1], n_q, n_k, z * h * n_q, causal_off, sm_scale * LOG2E, sm_scale)
     # two warpgroups of 64 keys per program, head by head
     _bwd_ws_kernel[(z * h * _cdiv(n_k, WS_KEYS),)](
         q, k, v, do, dk, dv, stats, dq_acc, *strides, *scalars, IS_CAUSAL=is_causal, HEAD_DIM=q.shape[3],
