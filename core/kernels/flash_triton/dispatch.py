@@ -45,6 +45,9 @@ def _dense_like(x: Tensor, dtype=None) -> Tensor:
     transpose back to (B, T, H * d) reads without a copy (as SDPA's outputs). An expanded GQA key (stride 0 over
     the heads) gets a full dK, which autograd sums over the group; the head dim stays innermost. The kernels take every output's strides, so no
     operand is copied."""
+    out = torch.empty_like(x, dtype=dtype)  # keeps a dense operand's strides (the common case: ~1 us, not ~6)
+    if out.stride() == x.stride():
+        return out
     # the head dim innermost (the kernels' unit stride); the others outermost first, broadcast (stride 0) ones
     # first in their own order
     order = sorted(range(x.dim() - 1), key=lambda i: (x.stride(i) != 0, -x.stride(i), i)) + [x.dim() - 1]
@@ -60,7 +63,10 @@ def _output_like(x: Tensor, cfg: FlashConfig, dtype=None) -> Tensor:
 
 def _strides(*tensors: Tensor) -> tuple[int, ...]:
     """The (batch, head, row) strides of 4-D tensors, in order: the kernels' stride arguments."""
-    return tuple(s for t in tensors for s in t.stride()[:3])
+    out: tuple[int, ...] = ()
+    for t in tensors:
+        out += t.stride()[:3]
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ forward
