@@ -23,8 +23,9 @@ def _compiling() -> bool:
 class FlashAttentionTriton(torch.autograd.Function):
     """FlashAttention-2 in Triton: ``FlashAttentionTriton.apply(q, k, v, is_causal=False, config=None)``.
 
-    q (..., N_q, d), k and v (..., N_k, d), same leading dims; fp32 (tf32 dots), fp16, bf16; any head dim
-    d up to 256 (padded to a power of two with masks). Saves q, k, v, out and one logsumexp (..., N_q).
+    q (..., N_q, d), k and v (..., N_k, d), the same leading dims but for k and v's heads (dim -3), which may divide
+    q's (grouped-query attention); fp32 (tf32 dots), fp16, bf16; any head dim d up to 256 (`common._tile_d`).
+    Saves q, k, v, out and one logsumexp (..., N_q).
     `config` (a `FlashConfig`, None for the defaults) picks tiles, the backward variant and the split-KV policy;
     by default the backward is the fused one-launch kernel on small grids, the warp-specialised Gluon kernel
     (atomic fp32 dQ) for long rows on Hopper, else two passes (no atomics).
