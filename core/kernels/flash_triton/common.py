@@ -142,12 +142,17 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _pow2_d(d: int) -> int:
+    """One power-of-two tile over the whole head: the next power of two from 16 (tl.dot's smallest K)."""
+    return max(16, 1 << (d - 1).bit_length())
+
+
 def _tile_d(d: int) -> tuple[int, int]:
     """(BLOCK_D, TAIL_D): the column parts a head dim is tiled in. One power-of-two tile from 16 (tl.dot's
     smallest K; columns past d masked), unless a power-of-two part and a smaller tail cover d in fewer columns:
     80 = 64 + 16 and 96 = 64 + 32 instead of 128, so the matmuls do 0.62x and 0.75x the work of a padded
     128-wide tile (the exponentials do not change)."""
-    whole = max(16, 1 << (d - 1).bit_length())
+    whole = _pow2_d(d)
     main = whole // 2
     tail = max(16, 1 << (d - main - 1).bit_length()) if d > main else 0
     return (main, tail) if d > 16 and main + tail < whole else (whole, 0)
@@ -155,7 +160,7 @@ def _tile_d(d: int) -> tuple[int, int]:
 
 _TILE_D = {d: _tile_d(d) for d in range(1, MAX_HEAD_DIM + 1)}
 # one power-of-two tile over the whole head (the streaming kernels: delta, the split forward's merge)
-_POW2_D = {d: max(16, 1 << (d - 1).bit_length()) for d in range(1, MAX_HEAD_DIM + 1)}
+_POW2_D = {d: _pow2_d(d) for d in range(1, MAX_HEAD_DIM + 1)}
 
 
 def _to_4d(x: Tensor) -> Tensor:

@@ -36,29 +36,33 @@ def _check_runtime(q: Tensor) -> None:
                           "importing triton (slow), or use attention_impl=flash_torch")
 
 
-def _dense_like(x: Tensor, dtype=None) -> Tensor:
+def _dense_like(x: Tensor) -> Tensor:
     """A new dense tensor shaped like x whose dimensions are laid out in x's stride order (outermost first).
 
     An output (O, dQ, dK, dV) gets the layout of its operand where that operand is dense, and otherwise the same
     dimension order without the gaps: q, k, v sliced from the model's fused qkv projection are (B, H, T, d) views of
     a (B, T, 3H, d) buffer, and O then is a dense (B, T, H, d) buffer viewed as (B, H, T, d), which the model's
     transpose back to (B, T, H * d) reads without a copy (as SDPA's outputs). An expanded GQA key (stride 0 over
-    the heads) gets a full dK, which autograd sums over the group; the head dim stays innermost. The kernels take every output's strides, so no
-    operand is copied."""
-    out = torch.empty_like(x, dtype=dtype)  # keeps a dense operand's strides (the common case: ~1 us, not ~6)
+    the heads) gets a full dK, which autograd sums over the group; the head dim stays innermost. The kernels take
+    every output's strides, so no operand is copied."""
+    out = torch.empty_like(x)  # keeps a dense operand's strides (the common case: ~1 us, not ~6)
     if out.stride() == x.stride():
         return out
     # the head dim innermost (the kernels' unit stride); the others outermost first, broadcast (stride 0) ones
     # first in their own order
     order = sorted(range(x.dim() - 1), key=lambda i: (x.stride(i) != 0, -x.stride(i), i)) + [x.dim() - 1]
-    buf = torch.empty([x.shape[i] for i in order], dtype=dtype or x.dtype, device=x.device)
+    buf = torch.empty([x.shape[i] for i in order], dtype=x.dtype, device=x.device)
     return buf.permute([order.index(i) for i in range(x.dim())])
 
 
-def _output_like(x: Tensor, cfg: FlashConfig, dtype=None) -> Tensor:
-    """The output for operand x (`_dense_like`): NaN-filled with `cfg.poison_outputs` (an unwritten element shows)."""
-    out = _dense_like(x, dtype)
+def _poisoned(out: Tensor, cfg: FlashConfig) -> Tensor:
+    """out, NaN-filled with `cfg.poison_outputs` (an element the kernels leave unwritten then shows)."""
     return out.fill_(float("nan")) if cfg.poison_outputs else out
+
+
+def _output_like(x: Tensor, cfg: FlashConfig) -> Tensor:
+    """The output for operand x (`_dense_like`), poisoned on request."""
+    return _poisoned(_dense_like(x), cfg)
 
 
 def _strides(*tensors: Tensor) -> tuple[int, ...]:
@@ -108,9 +112,9 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
     _check_runtime(q)
     z, h, n_q, d = q.shape
     n_k = k.shape[2]
+    group = h // k.shape[1]  # query heads per KV head (grouped-query attention)
     o = _output_like(q, cfg)
-    lse = torch.full((z, h, n_q), float("nan"), device=q.device, dtype=torch.float32) if cfg.poison_outputs \
-        else torch.empty((z, h, n_q), device=q.device, dtype=torch.float32)
+    lse = _poisoned(torch.empty((z, h, n_q), device=q.device, dtype=torch.float32), cfg)
     causal_off = n_k - n_q if is_causal else 0
     seq_class = _seq_class(max(n_q, n_k), z * h)
     pinned = cfg.tile("fwd")
@@ -130,14 +134,13 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
             arrivals = _ARRIVALS.get(q.device, n_counts)
             _run(_fwd_split_merge_kernel, (z * h, _cdiv(n_q, bm), splits),
                  (q, k, v, o, lse, o_part, lse_part, arrivals, *_strides(q, k, v, o),
-                  h, h // k.shape[1], n_q, n_k, causal_off, LOG2E / math.sqrt(d), split_len, seq_class), 8,
+                  h, group, n_q, n_k, causal_off, LOG2E / math.sqrt(d), split_len, seq_class), 8,
                  IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d, TAIL_D=tail_d, BLOCK_M=bm, BLOCK_N=bn,
-                 SPLITS=splits,
-                 ONE_LOOP=short, num_warps=warps, num_stages=stages)
+                 SPLITS=splits, ONE_LOOP=short, num_warps=warps, num_stages=stages)
             return o, lse
         _run(_fwd_split_kernel, (z * h, _cdiv(n_q, bm), splits),
              (q, k, v, o_part, lse_part, *_strides(q, k, v),
-              h, h // k.shape[1], n_q, n_k, causal_off, LOG2E / math.sqrt(d), split_len, seq_class), 5,
+              h, group, n_q, n_k, causal_off, LOG2E / math.sqrt(d), split_len, seq_class), 5,
              IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_D=block_d, TAIL_D=tail_d, BLOCK_M=bm, BLOCK_N=bn,
              num_warps=warps, num_stages=stages)
         # 32-row merge tiles: 96 registers at d = 128 (64 rows: 230), and twice the programs on a small grid
@@ -145,7 +148,7 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
              (o_part, lse_part, o, lse, *_strides(o), h, n_q, splits), 4,
              HEAD_DIM=d, BLOCK_D=block_d, TAIL_D=tail_d, BLOCK_M=32)
         return o, lse
-    args = (q, k, v, o, lse, *_strides(q, k, v, o), h, h // k.shape[1], n_q, n_k, causal_off, LOG2E / math.sqrt(d),
+    args = (q, k, v, o, lse, *_strides(q, k, v, o), h, group, n_q, n_k, causal_off, LOG2E / math.sqrt(d),
             seq_class)
     _launch("fwd", _fwd_tuned if not common.INTERPRET else None, _fwd_kernel, z * h, n_q, args,
             is_causal, d, block_d, seq_class, q.dtype, tiles=pinned, TAIL_D=tail_d)
@@ -241,10 +244,7 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     if group == 1:
         dk, dv = _output_like(k, cfg), _output_like(v, cfg)
     else:  # per query head here, summed over each KV head's group at the end (`_sum_groups`)
-        dk, dv = (torch.empty((z, h, n_k, d), dtype=k.dtype, device=k.device) for _ in range(2))
-        if cfg.poison_outputs:
-            dk.fill_(float("nan"))
-            dv.fill_(float("nan"))
+        dk, dv = (_poisoned(torch.empty((z, h, n_k, d), dtype=k.dtype, device=k.device), cfg) for _ in range(2))
     block_d, tail_d = _TILE_D[d]
     causal_off = n_k - n_q if is_causal else 0
     sm_scale = 1.0 / math.sqrt(d)
