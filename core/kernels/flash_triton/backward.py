@@ -14,9 +14,10 @@
 """
 from __future__ import annotations
 
-from core.kernels.flash_triton.common import (HAVE_TRITON, _head_major, _load_parts, _load_rows,  # noqa: F401
-                                              _lse_to_base2, _mm, _mm_parts, _mma, _row_dot, _store_parts,
-                                              _store_rows, _store_stats, _tail_cols, tl, triton)
+from core.kernels.flash_triton.common import (HAVE_TRITON, _head_major, _key_range, _load_parts,  # noqa: F401
+                                              _load_rows, _lse_to_base2, _mask_scores, _mm, _mm_parts, _mma,
+                                              _row_dot, _store_parts, _store_rows, _store_stats, _tail_cols, tl,
+                                              triton)
 
 if HAVE_TRITON:
     @triton.jit
@@ -34,10 +35,7 @@ if HAVE_TRITON:
                 # cores (3% faster on an H100 at d = 64; at d = 128 the extra live tile spills: 3-8% slower)
                 dp = _mm_parts(do, tl.trans(v), do1, tl.trans(v1), TAIL_D)
             if MASKED:
-                valid = offs_n[None, :] < n_k
-                if IS_CAUSAL:
-                    valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
-                s = tl.where(valid, s, float("-inf"))
+                s = _mask_scores(s, offs_m, offs_n, n_k, causal_off, IS_CAUSAL)
             p = tl.math.exp2(s - lse2[:, None])
             if BLOCK_D + TAIL_D > 64:
                 dp = _mm_parts(do, tl.trans(v), do1, tl.trans(v1), TAIL_D)
@@ -84,14 +82,7 @@ if HAVE_TRITON:
 
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         dq1 = tl.zeros_like(q1).to(tl.float32)
-        n_full = (n_k // BLOCK_N) * BLOCK_N
-        if IS_CAUSAL:
-            full_hi = (tl.maximum(start_m + causal_off + 1, 0) // BLOCK_N) * BLOCK_N
-            full_hi = tl.minimum(full_hi, n_full)
-            hi = tl.minimum(tl.maximum(start_m + BLOCK_M + causal_off, 0), n_k)
-        else:
-            full_hi = n_full
-            hi = n_k
+        full_hi, hi = _key_range(start_m, n_k, causal_off, IS_CAUSAL, BLOCK_M, BLOCK_N)
         dq, dq1 = _bwd_dq_inner(dq, dq1, q, q1, do, do1, lse2, delta, k_base, v_base, stride_kn, stride_vn,
                                 offs_m, offs_n0, offs_d, offs_t, 0, full_hi, n_k, causal_off, qk_scale,
                                 False, IS_CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, TAIL_D)
@@ -263,21 +254,18 @@ if HAVE_TRITON:
             lo = 0
             full_lo = 0
         # three ranges: the masked diagonal tiles, the unmasked ones, the masked ragged end
-        dk, dk1, dv, dv1 = _bwd_dkdv_inner(dk, dk1, dv, dv1, k, k1, v, v1, q_base, do_base, o_base, stride_qm,
-                                           stride_dom, stride_om, stats_base, dq_base, HEAD_DIM, sm_scale,
-                                           offs_n, offs_m0, offs_d, offs_t, lo, full_lo, n_q, causal_off, qk_scale,
-                                           True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, TAIL_D, ATOMIC_DQ,
-                                           DELTA_FROM_O, dq_desc, dq_desc1, DQ_TMA)
-        dk, dk1, dv, dv1 = _bwd_dkdv_inner(dk, dk1, dv, dv1, k, k1, v, v1, q_base, do_base, o_base, stride_qm,
-                                           stride_dom, stride_om, stats_base, dq_base, HEAD_DIM, sm_scale,
-                                           offs_n, offs_m0, offs_d, offs_t, full_lo, m_full, n_q, causal_off, qk_scale,
-                                           False, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, TAIL_D, ATOMIC_DQ,
-                                           DELTA_FROM_O, dq_desc, dq_desc1, DQ_TMA)
-        dk, dk1, dv, dv1 = _bwd_dkdv_inner(dk, dk1, dv, dv1, k, k1, v, v1, q_base, do_base, o_base, stride_qm,
-                                           stride_dom, stride_om, stats_base, dq_base, HEAD_DIM, sm_scale,
-                                           offs_n, offs_m0, offs_d, offs_t, tl.maximum(full_lo, m_full), m_pad, n_q, causal_off, qk_scale,
-                                           True, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, TAIL_D, ATOMIC_DQ,
-                                           DELTA_FROM_O, dq_desc, dq_desc1, DQ_TMA)
+        for rng in tl.static_range(3):
+            if rng == 0:
+                start, end = lo, full_lo
+            elif rng == 1:
+                start, end = full_lo, m_full
+            else:
+                start, end = tl.maximum(full_lo, m_full), m_pad
+            dk, dk1, dv, dv1 = _bwd_dkdv_inner(dk, dk1, dv, dv1, k, k1, v, v1, q_base, do_base, o_base, stride_qm,
+                                               stride_dom, stride_om, stats_base, dq_base, HEAD_DIM, sm_scale,
+                                               offs_n, offs_m0, offs_d, offs_t, start, end, n_q, causal_off,
+                                               qk_scale, rng != 1, IS_CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, TAIL_D,
+                                               ATOMIC_DQ, DELTA_FROM_O, dq_desc, dq_desc1, DQ_TMA)
         _store_parts(DK + off_z * stride_dkz + off_h * stride_dkh, offs_n, stride_dkn, n_k, offs_d, offs_t,
                      (dk * sm_scale).to(DK.dtype.element_ty), (dk1 * sm_scale).to(DK.dtype.element_ty),
                      HEAD_DIM, BLOCK_D, TAIL_D)

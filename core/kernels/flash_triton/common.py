@@ -118,6 +118,32 @@ if HAVE_TRITON:
         return pid // n_tiles, pid % n_tiles
 
     @triton.jit
+    def _key_range(start_m, n_k, causal_off, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+        """(full_hi, hi) for the BLOCK_M query rows from start_m: the key tiles below full_hi are visible to every
+        row (no mask), those in [full_hi, hi) need the mask (`_mask_scores`: the causal diagonal, the ragged end);
+        causal keys past the last row's diagonal are never visited."""
+        n_full = (n_k // BLOCK_N) * BLOCK_N  # key tiles with no ragged end
+        if IS_CAUSAL:
+            # keys visible to the first row of the tile: j <= start_m + causal_off
+            full_hi = (tl.maximum(start_m + causal_off + 1, 0) // BLOCK_N) * BLOCK_N
+            full_hi = tl.minimum(full_hi, n_full)
+            hi = tl.minimum(tl.maximum(start_m + BLOCK_M + causal_off, 0), n_k)
+        else:
+            full_hi = n_full
+            hi = n_k
+        return full_hi, hi
+
+    @triton.jit
+    def _mask_scores(s, offs_m, offs_n, n_k, causal_off, IS_CAUSAL: tl.constexpr):
+        """Scores s (queries offs_m x keys offs_n) with keys past n_k, and causal keys after a query's diagonal
+        (j > i + causal_off), set to -inf."""
+        valid = offs_n[None, :] < n_k
+        if IS_CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
+        return tl.where(valid, s, float("-inf"))
+
+    @triton.jit
     def _lse_to_base2(lse):
         """Natural-log logsumexp to base 2 for exp2(s - lse2); rows that see no key (-inf) to +inf, so their
         masked scores (-inf) give p = 0 rather than NaN."""

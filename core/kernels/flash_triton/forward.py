@@ -11,8 +11,8 @@
 """
 from __future__ import annotations
 
-from core.kernels.flash_triton.common import (HAVE_TRITON, _head_major, _load_parts, _mm, _mma,  # noqa: F401
-                                              _store_parts, _tail_cols, tl, triton)
+from core.kernels.flash_triton.common import (HAVE_TRITON, _head_major, _key_range, _load_parts,  # noqa: F401
+                                              _mask_scores, _mm, _mma, _store_parts, _tail_cols, tl, triton)
 
 if HAVE_TRITON:
     @triton.jit
@@ -27,10 +27,7 @@ if HAVE_TRITON:
             if TAIL_D > 0:
                 s = _mma(q1, tl.trans(k1), s)
             if MASKED:
-                valid = offs_n[None, :] < n_k
-                if IS_CAUSAL:
-                    valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
-                s = tl.where(valid, s, float("-inf"))
+                s = _mask_scores(s, offs_m, offs_n, n_k, causal_off, IS_CAUSAL)
             # the running max is kept in scaled (base-2) units; max(s) * scale == max(s * scale) exactly
             # (rounding is monotonic, scale > 0), and the scale then folds into the exponent's FMA:
             # one instruction per score instead of a multiply and a subtract
@@ -75,15 +72,7 @@ if HAVE_TRITON:
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         acc1 = tl.zeros_like(q1).to(tl.float32)
 
-        n_full = (n_k // BLOCK_N) * BLOCK_N  # key tiles with no ragged end
-        if IS_CAUSAL:
-            # keys visible to the first row of the tile: j <= start_m + causal_off
-            full_hi = (tl.maximum(start_m + causal_off + 1, 0) // BLOCK_N) * BLOCK_N
-            full_hi = tl.minimum(full_hi, n_full)
-            hi = tl.minimum(tl.maximum(start_m + BLOCK_M + causal_off, 0), n_k)
-        else:
-            full_hi = n_full
-            hi = n_k
+        full_hi, hi = _key_range(start_m, n_k, causal_off, IS_CAUSAL, BLOCK_M, BLOCK_N)
         hi = tl.minimum(hi, key_hi)
         if ONE_LOOP:
             acc, acc1, m_i, l_i = _fwd_inner(acc, acc1, m_i, l_i, q, q1, k_base, v_base, stride_kn, stride_vn,
