@@ -755,13 +755,15 @@ def test_gpu_direct_launches_repeat_exactly(seq, monkeypatch):
 
 # ------------------------------------------------------------------ the warp-specialised Gluon backward (Hopper)
 _GLUON_COMPILE = """
+import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from core.kernels.flash_triton import hopper as fg
 jf = fg._bwd_ws_kernel
-constexprs = dict(IS_CAUSAL=True, HEAD_DIM=64, BLOCK_M=fg.BLOCK_M, BLOCK_N=fg.BLOCK_N, STAGES=fg.WS_STAGES,
-                  PREFETCH=fg.WS_PREFETCH, WS_REGS=fg.WS_REGS)
+head_dim = int(sys.argv[1])
+assert head_dim in fg.HEAD_DIMS
+constexprs = dict(IS_CAUSAL=True, HEAD_DIM=head_dim, **fg.ws_constexprs(head_dim))
 sig = {}
 for name in jf.arg_names:
     if name in constexprs:
@@ -776,16 +778,19 @@ kernel = triton.compile(GluonASTSource(fn=jf, signature=sig, constexprs=constexp
                         target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
 ptx = kernel.asm["ptx"]
 assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and kernel.asm["cubin"]
-# dQ parts added with bulk tensor reductions, from two warpgroups (8 warps)
+# dQ parts added with bulk tensor reductions, from two warpgroups (8 warps), within Hopper's 227 KB per program
 assert "cp.reduce.async.bulk.tensor" in ptx and kernel.metadata.num_warps == 8
+assert kernel.metadata.shared <= 232448, kernel.metadata.shared
 print("compiled")
 """
 
 
-def test_gluon_ws_compiles_for_sm90():
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gluon_ws_compiles_for_sm90(head_dim):
     """The Gluon kernel compiles for sm_90a with the installed Triton, no GPU needed (the CPU machines run a
-    newer Triton than the GPU machine, and Gluon's API moves between releases). In a child process: this
-    one's Triton runs kernels under the interpreter, which does not compile."""
+    newer Triton than the GPU machine, and Gluon's API moves between releases), at each head dim it takes. In a
+    child process: this one's Triton runs kernels under the interpreter,
+    which does not compile."""
     from core.kernels.flash_triton import hopper
     if not hopper.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
@@ -794,8 +799,8 @@ def test_gluon_ws_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _GLUON_COMPILE], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-c", _GLUON_COMPILE, str(head_dim)], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
 
 
@@ -812,6 +817,8 @@ def test_gluon_ws_only_where_it_applies(monkeypatch):
     assert ftd._ws_ok(x, x, 64) and not ftd._ws_ok(x, x, 64, FlashConfig(hopper_ws=False))
     assert not ftd._ws_ok(x.float(), x.float(), 64)
     assert not ftd._ws_ok(x[..., :32], x[..., :32], 32)
+    wide = torch.zeros(1, 1, 64, 128, dtype=torch.bfloat16)
+    assert ftd._ws_ok(wide, wide, 128) and not ftd._ws_ok(wide[..., :96], wide[..., :96], 96)
     assert not ftd._ws_ok(x[:, :, :63], x[:, :, :63], 64)  # odd N_q
     off = torch.zeros(62 * 64 + 4, dtype=torch.bfloat16)[4:].view(1, 1, 62, 64)  # 8 bytes off 16
     assert not ftd._ws_ok(off, x[:, :, :62], 64) and ftd._ws_ok(x[:, :, :62], x[:, :, :62], 64)
@@ -855,6 +862,10 @@ def _gluon_usable() -> bool:
     ((1, 2, 334, 64), 200, True, torch.bfloat16),   # rows that see no key
     ((2, 2, 1000, 64), 1000, False, torch.float16),
     ((2, 3, 257, 64), 257, True, torch.bfloat16),   # odd N_q: falls back to the Triton kernels
+    ((2, 3, 258, 128), 258, True, torch.bfloat16),  # head dim 128: K, V in shared memory, dQ split by head dim
+    ((1, 2, 200, 128), 333, True, torch.bfloat16),
+    ((1, 2, 334, 128), 200, True, torch.float16),
+    ((2, 2, 1000, 128), 1000, False, torch.bfloat16),
 ])
 def test_gpu_gluon_ws_matches(shape_q, n_k, causal, dtype):
     """The warp-specialised one-pass backward (`backward: atomic_dq` on Hopper): gradients against float64, and
@@ -863,7 +874,7 @@ def test_gpu_gluon_ws_matches(shape_q, n_k, causal, dtype):
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
     torch.manual_seed(12)
     q, k, v = make_qkv(shape_q, n_k, dtype, noncontig=shape_q[0] == 2 and not causal)
-    assert ftd._ws_ok(q.detach(), q.detach(), 64) == (shape_q[2] % 2 == 0)
+    assert ftd._ws_ok(q.detach(), q.detach(), shape_q[-1]) == (shape_q[2] % 2 == 0)
     check_against_reference(triton_with(ATOMIC_DQ), q, k, v, causal, TOL[dtype])
     out = FlashAttentionTriton.apply(q, k, v, causal, ATOMIC_DQ)
     do = torch.randn_like(out)
@@ -1020,3 +1031,159 @@ def test_config_overrides():
     assert cfg.with_overrides("split_keys=none").split_keys is None
     with pytest.raises(ConfigError, match="unknown override"):
         FlashConfig().with_overrides("native=0")
+
+
+# ------------------------------------------------------------------ the warp-specialised Gluon forward (Hopper)
+_GLUON_FWD_COMPILE = """
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+from core.kernels.flash_triton import hopper_forward as hf
+jf = hf._fwd_ws_kernel
+for d in hf.HEAD_DIMS:
+    for causal in (True, False):
+        block_n, stages = hf.FWD_TILES[d]
+        constexprs = dict(IS_CAUSAL=causal, HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages,
+                          CONSUMER_REGS=hf.CONSUMER_REGS, PRODUCER_REGS=hf.PRODUCER_REGS,
+                          PRODUCER_WARPS=hf.PRODUCER_WARPS)
+        sig = {}
+        for name in jf.arg_names:
+            if name in constexprs:
+                sig[name] = "constexpr"
+            elif name == "LSE":
+                sig[name] = "*fp32"
+            elif name in ("Q", "K", "V"):  # 4-D TMA descriptors made on the host
+                rows = hf.HALF_M if name == "Q" else block_n
+                sig[name] = mangle_type(hf._host_desc(torch.empty(1, 1, rows, d, dtype=torch.bfloat16), rows))
+            elif name.isupper():
+                sig[name] = "*bf16"
+            else:
+                sig[name] = "fp32" if name.endswith("scale") else "i32"
+        kernel = triton.compile(GluonASTSource(fn=jf, signature=sig, constexprs=constexprs),
+                                target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
+        ptx = kernel.asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and kernel.asm["cubin"]
+        # two consumer warpgroups and a producer warpgroup, registers moved between them; within shared memory
+        assert "setmaxnreg" in ptx and kernel.metadata.num_warps == 12, d
+        assert kernel.metadata.shared <= 232448, d
+print("compiled")
+"""
+
+
+def test_gluon_fwd_compiles_for_sm90():
+    """The warp-specialised Gluon forward compiles for sm_90a (d = 128, causal and not) with the installed Triton,
+    no GPU needed; in a child process, like test_gluon_ws_compiles_for_sm90 (this one's Triton may interpret)."""
+    from core.kernels.flash_triton import hopper_forward
+    if not hopper_forward.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", _GLUON_FWD_COMPILE], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+
+
+def test_gluon_fwd_only_where_it_applies(monkeypatch):
+    """The Gluon forward is on by default (`hopper_fwd`) for bf16 / fp16 at head dim 128 with TMA-aligned q, k, v,
+    and off for fp32, other head dims, unaligned rows, other GPUs and under the interpreter."""
+    from core.kernels.flash_triton import hopper_forward
+    if not hopper_forward.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    x = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
+    monkeypatch.setattr(ftc, "INTERPRET", False)
+    monkeypatch.setattr(ftl, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda", 0)))
+    assert ftd._hopper_fwd_ok(x, x, x, FlashConfig())
+    assert not ftd._hopper_fwd_ok(x, x, x, FlashConfig(hopper_fwd=False))
+    assert ftd._hopper_fwd_ok(x.half(), x.half(), x.half(), FlashConfig())
+    assert not ftd._hopper_fwd_ok(x.float(), x.float(), x.float(), FlashConfig())
+    for d in (64, 96):  # the Triton forward is faster at 64; 96 is no tile width of this kernel
+        y = x[..., :d].contiguous()
+        assert not ftd._hopper_fwd_ok(y, y, y, FlashConfig())
+    kv = x[:, :1]  # grouped-query: one KV head for two query heads
+    assert ftd._hopper_fwd_ok(x, kv, kv, FlashConfig())
+    off = torch.zeros(2 * 64 * 128 + 4, dtype=torch.bfloat16)[4:].view(1, 2, 64, 128)  # 8 bytes off 16
+    assert not ftd._hopper_fwd_ok(off, x, x, FlashConfig())
+    monkeypatch.setattr(ftl, "_capability", lambda device: (10, 0))
+    assert not ftd._hopper_fwd_ok(x, x, x, FlashConfig())
+    monkeypatch.setattr(ftl, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(ftc, "INTERPRET", True)
+    assert not ftd._hopper_fwd_ok(x, x, x, FlashConfig())
+
+
+def test_forward_policy_takes_gluon_from_min_rows(monkeypatch):
+    """The forward runs the Gluon kernel where it applies from `hopper_fwd_min_rows` query rows on, unless the
+    split-KV forward splits the call or `tiles.fwd` pins the Triton kernel; elsewhere the Triton kernels (their
+    output against float64 here)."""
+    from core.kernels.flash_triton import hopper_forward
+    launched = []
+
+    def fake_launch(q, k, v, o, lse, is_causal, sm_scale):
+        launched.append(q.shape[2])
+        ref, ref_lse = reference_attention(q, k, v, is_causal)
+        o.copy_(ref)
+        lse.copy_(ref_lse)
+
+    monkeypatch.setattr(ftd, "_hopper_fwd_ok", lambda q, k, v, cfg: cfg.hopper_fwd)
+    monkeypatch.setattr(hopper_forward, "launch_fwd", fake_launch)
+    cfg = FlashConfig(hopper_fwd_min_rows=64)
+    cases = [(64, cfg, [64]), (32, cfg, []),                 # from hopper_fwd_min_rows rows on
+             (64, cfg.replace(split_keys=16), []),           # a split-KV call stays split
+             (64, cfg.replace(hopper_fwd=False), []),
+             (64, cfg.replace(tiles={"fwd": (32, 16, 4, 1)}), [])]  # pinned tiles: the Triton forward
+    for n_q, c, expect in cases:
+        launched.clear()
+        q, k, v = (torch.randn(1, 2, n_q, 32, device=DEVICE) for _ in range(3))
+        out, lse = ft.flash_fwd_impl(q, k, v, True, c)
+        assert launched == expect, (n_q, c)
+        ref, ref_lse = reference_attention(q, k, v, True)
+        assert rel_err(out, ref) < TOL[torch.float32] and rel_err(lse, ref_lse) < TOL[torch.float32]
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape_q,n_k,causal,dtype,kv_heads", [
+    ((2, 3, 258, 128), 258, True, torch.bfloat16, 3),
+    ((1, 2, 200, 128), 333, True, torch.bfloat16, 2),    # N_k not a multiple of the 128-key tiles
+    ((1, 2, 334, 128), 200, True, torch.bfloat16, 2),    # rows that see no key: output 0, logsumexp -inf
+    ((2, 2, 1000, 128), 1000, False, torch.float16, 2),
+    ((2, 8, 300, 128), 300, True, torch.bfloat16, 2),    # grouped-query: 4 query heads per KV head
+])
+def test_gpu_gluon_fwd_matches(shape_q, n_k, causal, dtype, kv_heads):
+    """The warp-specialised Gluon forward (`hopper_fwd_min_rows: 0`, so short rows take it too): output and
+    logsumexp against float64, gradients through the backward that follows."""
+    from core.kernels.flash_triton import hopper_forward
+    if not (_gluon_usable() and hopper_forward.HAVE_GLUON):
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    torch.manual_seed(15)
+    b, h, n_q, d = shape_q
+    q = torch.randn(b, h, n_q, d, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, kv_heads, n_k, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    cfg = FlashConfig(hopper_fwd_min_rows=0)
+    assert ftd._hopper_fwd_ok(q, k, v, cfg)
+    out, lse = flash_attention_with_lse(q, k, v, causal, cfg)
+    kr, vr = (x.detach().double().repeat_interleave(h // kv_heads, dim=1) for x in (k, v))
+    ref, ref_lse = reference_attention(q.detach().double(), kr, vr, causal)
+    assert rel_err(out, ref) < TOL[dtype]
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen) and (lse[seen].double() - ref_lse[seen]).abs().max() < 1e-3
+    check_gqa_against_reference(cfg, b, h, kv_heads, n_q, n_k, d, dtype, causal)
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_gluon_fwd_on_fused_projection_views():
+    """The Gluon forward reads q, k, v sliced from the fused projection in place (4-D TMA descriptors at their
+    strides) and writes O dense in the model's (B, T, H, d) order."""
+    from core.kernels.flash_triton import hopper_forward
+    if not (_gluon_usable() and hopper_forward.HAVE_GLUON):
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    torch.manual_seed(16)
+    q, k, v = fused_qkv_views(2, 2048, 4, 4, 128, torch.bfloat16, (True, True, True))
+    assert ftd._hopper_fwd_ok(q, k, v, FlashConfig())
+    check_against_reference(triton_with(FlashConfig()), q, k, v, True, TOL[torch.bfloat16])

@@ -1,4 +1,4 @@
-"""FlashAttention-2 forward and backward in Triton (CS336 section 4.2), with a Hopper backward in Gluon.
+"""FlashAttention-2 forward and backward in Triton (CS336 section 4.2), with Hopper kernels in Gluon.
 
     from core.kernels.flash_triton import FlashAttentionTriton, FlashConfig
     out = FlashAttentionTriton.apply(q, k, v, is_causal)                       # q (..., N_q, d), k/v (..., N_k, d)
@@ -13,7 +13,8 @@ Modules, in the order a call goes through them (docs/attention.md, "Files"):
 - `launch`: tiles (pinned, interpreter, autotuned), grids, direct launches, per-device lookups;
 - `tuning`: the autotuner's config lists and choices;
 - `forward`, `backward`: the Triton kernels; `common`: the tile helpers both use;
-- `hopper`: the warp-specialised backward for sm_90 in Gluon (wgmma, TMA).
+- `hopper`: the warp-specialised backward for sm_90 in Gluon (wgmma, TMA); `hopper_forward`: the
+  warp-specialised forward for sm_90 in Gluon (head dim 128).
 
 Causal with N_q != N_k is bottom-right aligned: query i sees keys j <= i + N_k - N_q.
 Rows that see no key give output 0 and logsumexp -inf.

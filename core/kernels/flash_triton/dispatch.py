@@ -106,6 +106,14 @@ def _fwd_split_len(device: torch.device, zh: int, n_q: int, n_k: int, bm: int, b
     return _cdiv(k_tiles, splits) * bn if splits >= 2 else 0
 
 
+def _hopper_fwd_ok(q: Tensor, k: Tensor, v: Tensor, cfg: FlashConfig) -> bool:
+    """Whether the forward runs the Hopper warp-specialised Gluon kernel (`hopper_forward.fwd_applies`)."""
+    if not cfg.hopper_fwd or common.INTERPRET:
+        return False
+    from core.kernels.flash_triton import hopper_forward  # Gluon, imported where it may run
+    return hopper_forward.fwd_applies(q, k, v)
+
+
 def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
                    cfg: FlashConfig = DEFAULT_CONFIG) -> tuple[Tensor, Tensor]:
     """Forward on 4-D (Z, H, N, d) inputs with unit last stride: (out like q, lse (Z, H, N_q) fp32)."""
@@ -122,6 +130,11 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
     # the split forward's fixed tiles are sized for head dims up to 128
     block_d, tail_d = _TILE_D[d]
     split_len = _fwd_split_len(q.device, z * h, n_q, n_k, bm, bn, cfg) if block_d + tail_d <= 128 else 0
+    # the Gluon forward on Hopper (`hopper_forward`), unless tiles pin the Triton one or the call is split
+    if not split_len and pinned is None and n_q >= cfg.hopper_fwd_min_rows and _hopper_fwd_ok(q, k, v, cfg):
+        from core.kernels.flash_triton import hopper_forward
+        hopper_forward.launch_fwd(q, k, v, o, lse, is_causal, 1.0 / math.sqrt(d))
+        return o, lse
     if split_len:  # small grid: split-KV
         short = _cdiv(n_k, bn) < cfg.short_row_tiles
         if short and pinned is None and not common.INTERPRET:

@@ -6,7 +6,8 @@ mbarriers, asynchronous wgmma and warp specialisation spelled out. The kernel wa
 tiles that see it, from the (base-2 logsumexp, delta) pairs of the delta kernel (`backward._bwd_delta_kernel`),
 with what Triton 3.6 does not do for that loop:
 
-- K and V stay in registers as the wgmma A operands of S^T = K Q^T and dP^T = V dO^T;
+- K and V stay on chip as the wgmma A operands of S^T = K Q^T and dP^T = V dO^T (in registers at head dim 64,
+  in shared memory at 128);
 - the Q and dO tiles and the (lse2, delta) pairs arrive by TMA into a ring of shared-memory buffers, one
   mbarrier each (no per-thread address arithmetic);
 - the wgmmas are asynchronous and waited on where their results are needed: dP^T runs on the tensor cores while
@@ -25,8 +26,17 @@ slower; two warpgroups each computing a dQ part over its own 64 keys, summed by 
 one, 3-6% faster again (2.84 ms against cuDNN's 2.92 under the profiler). The default backward policy uses it for
 long rows (`FlashConfig.hopper_ws`, `ws_min_rows`).
 
-Scope (`ws_applies`): compiled CUDA on sm_90, fp16 / bf16, head dim 64, 16-byte aligned Q / dO rows and an even
-N_q (each head's (lse2, delta) rows must start 16-byte aligned for the TMA); everything else runs the Triton
+Head dim 128 (`_ws_warpgroup_wide`, `_ws_steps_wide`) keeps the program shape (128 keys, 64 queries a step) but
+not the register plan: per thread, dK and dV alone take 128 of the 255 registers, S^T and dP^T 64 more, so K and
+V (64 more as register operands) move to shared memory, and a 64 x 128 dQ (64 more) does not fit in either
+warpgroup. Both warpgroups compute dQ instead, each for its half of the head dim (dS over all 128 keys times
+K[:, half], 32 registers) and each reduces its own 64 x 64 block, so both hand their dS^T halves over shared
+memory and wait for the other's (ds_ready / ds_free count both). Shared memory sets the ring: K and V 64 KB,
+dS^T 32 KB, the dQ blocks 32 KB, and 3 stages of Q, dO and pairs (32.5 KB each), 226 KB of the 227 a program
+may have.
+
+Scope (`ws_applies`): compiled CUDA on sm_90, fp16 / bf16, head dim 64 or 128, 16-byte aligned Q / dO rows and an
+even N_q (each head's (lse2, delta) rows must start 16-byte aligned for the TMA); everything else runs the Triton
 kernels, which stay the portable version (and the ones the CPU interpreter tests).
 """
 from __future__ import annotations
@@ -59,14 +69,24 @@ try:
 except ImportError:  # a Triton without Gluon (or without its Hopper ops)
     HAVE_GLUON = False
 
-HEAD_DIMS = (64,)
+HEAD_DIMS = (64, 128)
 # 64 queries per step and 64 keys per warpgroup
 BLOCK_M, BLOCK_N = 64, 64
-# one-pass backward: two warpgroups (128 keys) per program; a 6-stage ring loaded 3 steps ahead, so the first
-# warpgroup (the lighter one: the second computes dQ) can run ahead of the second; both keep 256 registers (the ws
-# region's setmaxnreg)
+# one-pass backward: two warpgroups (128 keys) per program, both keeping 256 registers (the ws region's
+# setmaxnreg). The Q / dO ring by head dim, (stages, steps loaded ahead): at 64, 6 stages loaded 3 steps ahead, so
+# the first warpgroup (the lighter one: the second computes dQ) can run ahead of the second; at 128, where the
+# warpgroups meet every step (both compute dQ) and K, V (64 KB) sit in shared memory, 3 stages (32.5 KB each)
+# loaded 2 steps ahead: 226 KB in all, of the 227 KB a program may have
 WS_KEYS = 2 * BLOCK_N
-WS_STAGES, WS_PREFETCH, WS_REGS = 6, 3, 256
+WS_RING = {64: (6, 3), 128: (3, 2)}
+WS_REGS = 256
+
+
+def ws_constexprs(d: int) -> dict:
+    """The compile-time arguments of `_bwd_ws_kernel` but IS_CAUSAL and HEAD_DIM, for head dim d."""
+    stages, prefetch = WS_RING[d]
+    return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, PREFETCH=prefetch, WS_REGS=WS_REGS)
+
 
 if HAVE_GLUON:
     @gluon.jit
@@ -200,6 +220,32 @@ if HAVE_GLUON:
         dp_t = warpgroup_mma_wait(1, deps=[dp_t])
         return (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype), dv
 
+    @gluon.jit
+    def _ds_t_wide(k_op, v_op, q_tile, do_tile, pair_buf, dv, offs_m, offs_n, n_q, causal_off, qk_scale,
+                   MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr):
+        """`_ds_t` with K and V from shared memory, and delta read where it is used (registers are short at
+        head dim 128: dK and dV take 128 a thread)."""
+        dtype: gl.constexpr = q_tile.dtype
+        keys: gl.constexpr = k_op.shape[0]
+        queries: gl.constexpr = q_tile.shape[0]
+        zero_s = gl.zeros([keys, queries], gl.float32, layout=mma_s)
+        s_t = warpgroup_mma(k_op, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v_op, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        lse2 = pair_buf.load(gl.SliceLayout(0, mma_s)).to(gl.int32).to(gl.float32, bitcast=True)
+        s_t = warpgroup_mma_wait(1, deps=[s_t])
+        s_t = s_t * qk_scale
+        if MASKED:
+            valid = gl.expand_dims(offs_m, 0) < n_q
+            if IS_CAUSAL:
+                valid = valid & (gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m, 0) + causal_off)
+            s_t = gl.where(valid, s_t, float("-inf"))
+        p_t = gl.exp2(s_t - gl.expand_dims(lse2, 0))
+        p_op = gl.convert_layout(p_t.to(dtype), gl.DotOperandLayout(0, mma_d, 2))
+        dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+        delta = (pair_buf.load(gl.SliceLayout(0, mma_s)) >> 32).to(gl.int32).to(gl.float32, bitcast=True)
+        dp_t = warpgroup_mma_wait(1, deps=[dp_t])
+        return (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype), dv
+
     # ------------------------------------------------------------------ the warp-specialised one-pass backward
     @gluon.jit
     def _ws_steps(ROLE: gl.constexpr, it, lo, start, end, n_steps, dk, dv, k_op, v_op, q_desc, do_desc,
@@ -297,6 +343,124 @@ if HAVE_GLUON:
         _store_dkdv(DK, DV, dk, dv, off_z, off_h, start_n, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh,
                     stride_dvn, n_k, sm_scale, HEAD_DIM, BLOCK_N, mma_d)
 
+    # ------------------------------------------------------ head dim 128: K and V in shared memory, dQ split by d
+    @gluon.jit
+    def _ws_steps_wide(ROLE: gl.constexpr, it, lo, start, end, n_steps, dk, dv, q_desc, do_desc,
+                       stats_desc, dq_desc, q_smem, do_smem, stats_smem, k_smem, v_smem, ds_smem, dq_buf, ready,
+                       empty, ds_ready, ds_free, stats_row, offs_n, n_q, causal_off, qk_scale, MASKED: gl.constexpr,
+                       IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       STAGES: gl.constexpr, PREFETCH: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr):
+        """`_ws_steps` for head dim 128, both warpgroups alike: K and V (k_op, v_op) are shared-memory A operands,
+        and each warpgroup computes the step's dQ over all 128 keys for its half of the head dim (64 x 64 fp32:
+        a whole 64 x 128 dQ does not fit beside dK, dV, S^T and dP^T) and reduces it from its own buffer. So
+        both halves of dS^T are needed before either dQ (ds_ready), and both dQs read a buffer before either
+        warpgroup overwrites it (ds_free)."""
+        offs_m0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
+        zero_q = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, layout=mma_s)
+        keys: gl.constexpr = k_smem.shape[1]
+        for start_m in range(start, end, BLOCK_M):
+            stage = it % STAGES
+            mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+            q_tile = q_smem.index(stage)
+            # K and V buffer indices the compiler cannot see are constant (it < 2^30): their wgmma descriptors are
+            # then computed in the loop (a few integer adds) instead of hoisted, 48 registers held across it
+            own = ROLE + (it >> 30)
+            other = (1 - ROLE) + (it >> 30)
+            k_op = k_smem.index(own)
+            v_op = v_smem.index(own)
+            ds_t, dv = _ds_t_wide(k_op, v_op, q_tile, do_smem.index(stage), stats_smem.index(stage), dv,
+                                  start_m + offs_m0, offs_n, n_q, causal_off, qk_scale, MASKED, IS_CAUSAL, mma_s, mma_d)
+            # the previous step's dK, the last reader of its ring buffer in this warpgroup, is done
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=it > 0)
+            slot = it % 2
+            # both warpgroups' dQs of step it - 2 have read this dS^T buffer (a fresh mbarrier passes phase 1),
+            # and this warpgroup's last reduction has read its dQ buffer (the barrier below spreads the wait)
+            mbarrier.wait(ds_free.index(slot), ((it // 2) & 1) ^ 1)
+            tma.store_wait(0)
+            ds_smem.index(slot).slice(ROLE * keys, keys).store(ds_t)
+            fence_async_shared()
+            _barrier()
+            mbarrier.arrive(ds_ready.index(slot), count=1)
+            dk_op = gl.convert_layout(ds_t, gl.DotOperandLayout(0, mma_d, 2))
+            mbarrier.wait(ds_ready.index(slot), (it // 2) & 1)
+            # dQ issued before dK, to be waited on first (a register A operand holds the rows its warps own:
+            # keys here, not queries, so dS comes from shared memory): dS K[:, this half] over both key blocks
+            ds_all = ds_smem.index(slot)
+            dq = warpgroup_mma(ds_all.slice(0, keys).permute((1, 0)),
+                               k_smem.index(own - ROLE).slice(ROLE * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1), zero_q,
+                               use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds_all.slice(keys, keys).permute((1, 0)),
+                               k_smem.index(other + ROLE).slice(ROLE * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1), dq,
+                               is_async=True)
+            dk = warpgroup_mma(dk_op, q_tile, dk, is_async=True)
+            if ROLE == 0:
+                # refill the ring buffer of step nxt - STAGES (it - 1 at the default ring): both warpgroups
+                # released it before handing over this step's dS^T, so this does not wait
+                nxt = it + PREFETCH
+                if nxt < n_steps:
+                    nstage = nxt % STAGES
+                    mbarrier.wait(empty.index(nstage), ((nxt // STAGES) & 1) ^ 1)
+                    _load_step(nxt, lo, nstage, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready,
+                               stats_row, BLOCK_M, HEAD_DIM)
+            # dV and dQ done: only dK in flight into the next step
+            dq, dv = warpgroup_mma_wait(1, deps=[dq, dv])
+            dv = warpgroup_mma_init(dv)
+            mbarrier.arrive(ds_free.index(slot), count=1)
+            dq_buf.store(dq)
+            fence_async_shared()
+            _barrier()
+            _tma_add(dq_desc, [start_m, ROLE * (HEAD_DIM // 2)], dq_buf)
+            it += 1
+        return it, dk, dv
+
+    @gluon.jit
+    def _ws_warpgroup_wide(ROLE: gl.constexpr, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem,
+                           stats_smem, k_smem, v_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z,
+                           off_h, off_hk, start_cta, lo, n_steps, stats_row, stride_kz, stride_kh, stride_kn,
+                           stride_vz, stride_vh, stride_vn, stride_dkz, stride_dkh, stride_dkn, stride_dvz,
+                           stride_dvh, stride_dvn, n_q, n_k, causal_off, qk_scale, sm_scale, IS_CAUSAL: gl.constexpr,
+                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           STAGES: gl.constexpr, PREFETCH: gl.constexpr):
+        """`_ws_warpgroup` for head dim 128 (`_ws_steps_wide`)."""
+        start_n = start_cta + ROLE * BLOCK_N
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+        mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+        k, v = _load_kv(K, V, off_z, off_hk, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh,
+                        stride_vn, n_k, HEAD_DIM, BLOCK_N, 4)
+        k_smem.index(ROLE).store(k)  # also dQ's B operand, with the other warpgroup's keys
+        v_smem.index(ROLE).store(v)
+        fence_async_shared()
+        _barrier()
+        offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
+        dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=mma_d))
+        dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=mma_d))
+        dq_buf = dq_smem.index(ROLE)
+        it = 0
+        for rng in gl.static_range(3):
+            start, end = _ranges(rng, lo, start_n, n_q, causal_off, IS_CAUSAL, BLOCK_M, BLOCK_N)
+            it, dk, dv = _ws_steps_wide(ROLE, it, lo, start, end, n_steps, dk, dv, q_desc, do_desc, stats_desc,
+                                        dq_desc, q_smem, do_smem, stats_smem, k_smem, v_smem, ds_smem, dq_buf, ready,
+                                        empty, ds_ready, ds_free, stats_row, offs_n, n_q, causal_off, qk_scale,
+                                        rng != 1, IS_CAUSAL, BLOCK_M, HEAD_DIM, STAGES, PREFETCH, mma_s, mma_d)
+        dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
+        tma.store_wait(0)
+        # dK and dV through this warpgroup's V buffer (its last readers are done), to be stored in 16-byte
+        # pieces: from the wgmma layout, 64-bit addresses of 2-byte pieces of both do not fit in registers
+        dtype: gl.constexpr = DK.dtype.element_ty
+        rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        out_smem = v_smem.index(ROLE)
+        out_smem.store(dv.to(dtype))
+        _barrier()
+        dv_out = out_smem.load(rows_layout)
+        _barrier()
+        out_smem.store((dk * sm_scale).to(dtype))
+        _barrier()
+        dk_out = out_smem.load(rows_layout)
+        _store_dkdv(DK, DV, dk_out, dv_out, off_z, off_h, start_n, stride_dkz, stride_dkh, stride_dkn, stride_dvz,
+                    stride_dvh, stride_dvn, n_k, 1.0, HEAD_DIM, BLOCK_N, rows_layout)
+
     @gluon.jit
     def _bwd_ws_kernel(Q, K, V, DO, DK, DV, STATS, DQ_ACC,  # DQ_ACC (Z*H, N_q, d) fp32, zeroed; dQ = sm_scale DQ_ACC
                        stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
@@ -307,6 +471,7 @@ if HAVE_GLUON:
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr, WS_REGS: gl.constexpr):
         gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
         gl.static_assert(PREFETCH < STAGES)
+        gl.static_assert((HEAD_DIM == 64) | (HEAD_DIM == 128), "head dim 64 or 128 (HEAD_DIMS)")
         # head-major 1-D grid (launch._grid): the resident programs share one head's Q, dO and dQ rows in L2
         n_blocks = gl.cdiv(n_k, 2 * BLOCK_N)
         pid = gl.program_id(0)
@@ -318,46 +483,75 @@ if HAVE_GLUON:
         q_desc, do_desc, stats_desc = _head_descs(Q, DO, STATS, off_z, off_h, stride_qz, stride_qh, stride_qm,
                                                   stride_doz, stride_doh, stride_dom, n_q, n_rows_all, HEAD_DIM,
                                                   BLOCK_M)
-        dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
+        # head dim 128: each warpgroup reduces dQ for its half of the head dim (`_ws_steps_wide`)
+        WIDE: gl.constexpr = HEAD_DIM > 64
+        DQ_COLS: gl.constexpr = HEAD_DIM // 2 if WIDE else HEAD_DIM
+        dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
         dq_desc = tma.make_tensor_descriptor(DQ_ACC + pid_zh.to(gl.int64) * n_q * HEAD_DIM, shape=[n_q, HEAD_DIM],
-                                             strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, HEAD_DIM],
+                                             strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, DQ_COLS],
                                              layout=dq_layout)  # rows past n_q are clipped
         stats_row = pid_zh * n_q
         lo, n_steps = _query_steps(start_cta, n_q, causal_off, IS_CAUSAL, BLOCK_M)
         q_smem, do_smem, stats_smem, ready = _ring(STAGES, BLOCK_M, HEAD_DIM, dtype)
-        # K of both warpgroups (dQ's B operand); dS^T of both and the dQ tile, two of each (by step parity)
-        k_smem = gl.allocate_shared_memory(dtype, [2 * BLOCK_N, HEAD_DIM],
-                                           gl.NVMMASharedLayout.get_default_for([2 * BLOCK_N, HEAD_DIM], dtype))
+        # K of both warpgroups (dQ's B operand); dS^T of both, two buffers (by step parity); dQ tiles: two of the
+        # second warpgroup's (by step parity), or at head dim 128 one per warpgroup
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        if not WIDE:
+            k_smem = gl.allocate_shared_memory(dtype, [2 * BLOCK_N, HEAD_DIM],
+                                               gl.NVMMASharedLayout.get_default_for([2 * BLOCK_N, HEAD_DIM], dtype))
         ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * BLOCK_N, BLOCK_M],
                                             gl.NVMMASharedLayout.get_default_for([2 * BLOCK_N, BLOCK_M], dtype))
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], dq_layout)
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(empty.index(i), count=2)  # released by both warpgroups
         for i in gl.static_range(2):
-            mbarrier.init(ds_ready.index(i), count=1)
-            mbarrier.init(ds_free.index(i), count=1)
+            # at head dim 128 both warpgroups write dS^T before either dQ reads it, and both dQs read it
+            mbarrier.init(ds_ready.index(i), count=2 if WIDE else 1)
+            mbarrier.init(ds_free.index(i), count=2 if WIDE else 1)
         for i in gl.static_range(PREFETCH):
             if i < n_steps:
                 _load_step(i, lo, i, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready, stats_row,
                            BLOCK_M, HEAD_DIM)
         # (the argument tuples are spelled out: a tuple built in Gluon code drops its constexprs)
-        gl.warp_specialize([
-            (_ws_warpgroup, (0, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem,
-                             k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h,
-                             off_h // kv_group, start_cta, lo,
-                             n_steps, stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
-                             stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k,
-                             causal_off, qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PREFETCH)),
-            (_ws_warpgroup, (1, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem,
-                             k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h,
-                             off_h // kv_group, start_cta, lo,
-                             n_steps, stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
-                             stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k,
-                             causal_off, qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PREFETCH)),
-        ], [4], [WS_REGS])
+        if WIDE:  # K and V of each warpgroup in shared memory
+            k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], kv_layout)
+            v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], kv_layout)
+            gl.warp_specialize([
+                (_ws_warpgroup_wide, (0, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem,
+                                      stats_smem, k_smem, v_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free,
+                                      off_z, off_h, off_h // kv_group, start_cta, lo, n_steps, stats_row, stride_kz,
+                                      stride_kh, stride_kn, stride_vz, stride_vh, stride_vn, stride_dkz, stride_dkh,
+                                      stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k, causal_off,
+                                      qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                                      PREFETCH)),
+                (_ws_warpgroup_wide, (1, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem,
+                                      stats_smem, k_smem, v_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free,
+                                      off_z, off_h, off_h // kv_group, start_cta, lo, n_steps, stats_row, stride_kz,
+                                      stride_kh, stride_kn, stride_vz, stride_vh, stride_vn, stride_dkz, stride_dkh,
+                                      stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k, causal_off,
+                                      qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                                      PREFETCH)),
+            ], [4], [WS_REGS])
+        else:
+            gl.warp_specialize([
+                (_ws_warpgroup, (0, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem,
+                                 k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h,
+                                 off_h // kv_group, start_cta, lo,
+                                 n_steps, stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
+                                 stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k,
+                                 causal_off, qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                                 PREFETCH)),
+                (_ws_warpgroup, (1, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem,
+                                 k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h,
+                                 off_h // kv_group, start_cta, lo,
+                                 n_steps, stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
+                                 stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k,
+                                 causal_off, qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                                 PREFETCH)),
+            ], [4], [WS_REGS])
 
 
 # ---------------------------------------------------------------------- host side
@@ -387,4 +581,4 @@ def launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_sc
     # two warpgroups of 64 keys per program, head by head
     _bwd_ws_kernel[(z * h * _cdiv(n_k, WS_KEYS),)](
         q, k, v, do, dk, dv, stats, dq_acc, *strides, *scalars, IS_CAUSAL=is_causal, HEAD_DIM=q.shape[3],
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=WS_STAGES, PREFETCH=WS_PREFETCH, WS_REGS=WS_REGS, num_warps=4)
+        **ws_constexprs(q.shape[3]), num_warps=4)

@@ -1,0 +1,321 @@
+"""Hopper-specific (sm_90) FlashAttention forward in Gluon, warp-specialised in the manner of FlashAttention-3,
+and the host code that decides where it applies and launches it.
+
+Triton places a wait right after each asynchronous wgmma it issues, so its forward (`forward._fwd_kernel`)
+cannot overlap the softmax of one key tile with the matmuls of another. Gluon places the waits where the results
+are needed. A program takes a tile of 128 query rows of one (batch, head) in three partitions
+(`gl.warp_specialize`):
+
+- a producer warpgroup issues the TMA loads: the tile's two 64-row Q blocks, and each key tile's K and V into a
+  ring of `STAGES` shared-memory slots (a ready mbarrier for K and one for V per slot, and an empty one that the
+  consumers release);
+- two consumer warpgroups, 64 query rows each, with their own online-softmax state (base 2, log2(e) folded into
+  the scale) and fp32 output accumulator in registers. Per key tile j a consumer issues S_j = Q K_j^T, then
+  O += P_{j-1} V_{j-1} (P in registers as the wgmma A operand), waits for S_j only, computes the softmax of S_j
+  while the PV matmul runs, then waits for it, releases slot j-1 and rescales O: at most two wgmma groups in
+  flight. The two warpgroups run unsynchronised, so one's softmax also overlaps the other's matmuls. Consumers
+  keep `CONSUMER_REGS` registers a thread (setmaxnreg), the producer `PRODUCER_REGS`.
+
+The TMA descriptors are 4-D, over (Z, H, N, d) at the tensors' strides, made on the host (building 2-D per-head
+ones in every program cost 20-25% at S = 512), so views such as q, k, v sliced from a fused projection are read in
+place.
+
+Causal masks are bottom-right aligned (query i sees keys j <= i + n_k - n_q); each consumer masks only its
+diagonal and ragged-end tiles (and the first, peeled off the pipelined loop). Grouped-query attention: query head
+h reads KV head h // kv_group. Tiles are ordered head-major, each head's heavy causal tiles first, as for
+`forward._fwd_kernel`. Outputs: O in its dtype at its strides, and the natural-log logsumexp (fp32, (Z*H, N_q);
+-inf and output 0 for a row that sees no key).
+
+Scope (`fwd_applies`): compiled CUDA on sm_90, fp16 / bf16, head dim 128 (`HEAD_DIMS`), unit last strides and
+16-byte aligned bases and (batch, head, row) strides of Q, K and V (TMA). Everything else runs the Triton kernels;
+`dispatch.flash_fwd_impl` takes this one from `FlashConfig.hopper_fwd_min_rows` query rows on.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from core.kernels.flash_triton import common, launch
+from core.kernels.flash_triton.common import LOG2E, _cdiv
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    HAVE_GLUON = True
+    # Triton 3.6 calls the TMA load async_copy_global_to_shared; 3.9 renamed it async_load (same arguments)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+except ImportError:  # a Triton without Gluon (or without its Hopper ops)
+    HAVE_GLUON = False
+
+# where it is faster than the Triton forward on the H100 (docs/attention.md): head dim 128; at 64 the Triton
+# kernel's 64-row tiles win (the exponentials, not the matmuls, bound it there)
+HEAD_DIMS = (128,)
+# query rows per program: two consumer warpgroups of HALF_M rows
+BLOCK_M, HALF_M = 128, 64
+# (BLOCK_N keys per tile, STAGES of the K/V ring) per head dim: Q 32 KB + 3 x (K + V) 64 KB = 224 KB of the 227 KB
+# of shared memory
+FWD_TILES = {128: (128, 3)}
+# setmaxnreg: consumers 240 registers a thread, the producer 24 (2 x 128 x 240 + 128 x 24 <= 64 K)
+CONSUMER_REGS, PRODUCER_REGS = 240, 24
+PRODUCER_WARPS = 4
+
+if HAVE_GLUON:
+    _HALF_M = gl.constexpr(HALF_M)
+
+    @gluon.jit
+    def _tile(tile, n_tiles, n_heads, kv_group, n_q, n_k, causal_off, IS_CAUSAL: gl.constexpr, BM: gl.constexpr,
+              BLOCK_N: gl.constexpr):
+        """Query tile `tile` of the head-major order (each head's heavy causal tiles, the last queries, first):
+        (batch x head, batch, head, KV head, first row, key bound, key tiles)."""
+        pid_zh = tile // n_tiles
+        start_m = (n_tiles - 1 - tile % n_tiles) * BM
+        off_z = pid_zh // n_heads
+        off_h = pid_zh % n_heads
+        if IS_CAUSAL:  # keys the tile's last row sees: j < start_m + BM + causal_off
+            hi = gl.minimum(gl.maximum(start_m + BM + causal_off, 0), n_k)
+        else:
+            hi = n_k
+        return pid_zh, off_z, off_h, off_h // kv_group, start_m, hi, gl.cdiv(hi, BLOCK_N)
+
+    @gluon.jit
+    def _tile_load(desc, z, h, row, bar, dst):
+        """TMA load of rows row ... of head (z, h) through a 4-D descriptor over (Z, H, N, d) (rows past the head's
+        end read as zeros)."""
+        _tma_load(desc, [z, h, row, 0], bar, dst.reshape([1, 1, dst.shape[0], dst.shape[1]]))
+
+    @gluon.jit
+    def _load_kv(i, it, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, z, h, kv_bytes: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """K_i and V_i into ring slot `it` % STAGES once every consumer released its previous tile (a fresh mbarrier
+        passes the wait on phase 1)."""
+        stage = it % STAGES
+        mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(stage), kv_bytes)
+        _tile_load(k_desc, z, h, i * BLOCK_N, k_ready.index(stage), k_smem.index(stage))
+        mbarrier.expect(v_ready.index(stage), kv_bytes)
+        _tile_load(v_desc, z, h, i * BLOCK_N, v_ready.index(stage), v_smem.index(stage))
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, n_tiles,
+                  n_heads, kv_group, n_q, n_k, causal_off, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """TMA loads of the program's query tile: K_0 / V_0 and the consumers' two Q blocks, then K_i / V_i of the
+        other key tiles through the ring. Rows past a head's end read as zeros."""
+        elem: gl.constexpr = q_smem.dtype.primitive_bitwidth // 8
+        q_bytes: gl.constexpr = _HALF_M * HEAD_DIM * elem
+        kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * elem
+        pid_zh, z, h, hk, start_m, hi, n_kt = _tile(gl.program_id(0), n_tiles, n_heads, kv_group, n_q, n_k,
+                                                    causal_off, IS_CAUSAL, 2 * _HALF_M, BLOCK_N)
+        if n_kt > 0:
+            _load_kv(0, 0, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, z, hk, kv_bytes, BLOCK_N, STAGES)
+        for c in gl.static_range(2):
+            mbarrier.expect(q_ready.index(c), q_bytes)
+            _tile_load(q_desc, z, h, start_m + c * _HALF_M, q_ready.index(c), q_smem.index(c))
+        for i in range(1, n_kt):
+            _load_kv(i, i, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, z, hk, kv_bytes, BLOCK_N, STAGES)
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, offs_m, offs_n, n_k, causal_off, qk_scale, MASKED: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr):
+        """One key tile's online-softmax update from raw scores s: (p, alpha, m, l), base 2; m in scaled units
+        (max(s) * scale == max(s * scale) exactly, so the scale folds into the exponent's FMA)."""
+        if MASKED:
+            valid = gl.expand_dims(offs_n, 0) < n_k
+            if IS_CAUSAL:
+                valid = valid & (gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m, 1) + causal_off)
+            s = gl.where(valid, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        if MASKED:
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        else:
+            m_use = m_new
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return p, alpha, m_new, l_i
+
+    @gluon.jit
+    def _steps(it, start, end, q_tile, k_smem, v_smem, k_ready, v_ready, empty, o, m_i, l_i, p_op, offs_m, offs_n0,
+               n_k, causal_off, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr):
+        """Key tiles [start, end) (ring slot `it` first): issue S_j, issue O += P_{j-1} V_{j-1}, wait for S_j,
+        softmax of S_j under the PV matmul, wait for it, release slot j-1, rescale O. Returns P_j for the next."""
+        dtype: gl.constexpr = q_tile.dtype
+        zero_s = gl.zeros([_HALF_M, BLOCK_N], gl.float32, layout=mma_s)
+        for start_n in range(start, end, BLOCK_N):
+            stage = it % STAGES
+            prev = (it - 1) % STAGES
+            mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
+            s = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
+            o = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s])
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, start_n + offs_n0, n_k, causal_off, qk_scale, MASKED,
+                                          IS_CAUSAL)
+            o, p_op = warpgroup_mma_wait(0, deps=[o, p_op])
+            mbarrier.arrive(empty.index(prev), count=1)
+            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, mma_o)), 1)
+            p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(0, mma_o, 2))
+            it += 1
+        return it, o, m_i, l_i, p_op
+
+    @gluon.jit
+    def _attend(it, row0, hi, q_tile, k_smem, v_smem, k_ready, v_ready, empty, n_k, causal_off, qk_scale,
+                IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                mma_s: gl.constexpr, mma_o: gl.constexpr):
+        """Online softmax of the 64 rows from row0 over keys [0, hi) (at least one key tile), from ring slot `it`:
+        (it after the last tile, O unnormalised, m, l)."""
+        dtype: gl.constexpr = q_tile.dtype
+        offs_m = row0 + gl.arange(0, _HALF_M, layout=gl.SliceLayout(1, mma_s))
+        offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
+        m_i = gl.full([_HALF_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma_s))
+        l_i = gl.zeros([_HALF_M], gl.float32, layout=gl.SliceLayout(1, mma_s))
+        o = gl.zeros([_HALF_M, HEAD_DIM], gl.float32, layout=mma_o)
+        n_full = (n_k // BLOCK_N) * BLOCK_N  # key tiles without a ragged end
+        if IS_CAUSAL:  # key tiles every row of this warpgroup sees whole: j < first row + causal_off + 1
+            full_hi = gl.minimum((gl.maximum(row0 + causal_off + 1, 0) // BLOCK_N) * BLOCK_N, n_full)
+        else:
+            full_hi = n_full
+        # key tile 0, peeled off the loop (no PV matmul to overlap yet), masked
+        stage = it % STAGES
+        mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
+        zero_s = gl.zeros([_HALF_M, BLOCK_N], gl.float32, layout=mma_s)
+        s = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, offs_n0, n_k, causal_off, qk_scale, True, IS_CAUSAL)
+        p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(0, mma_o, 2))
+        it += 1
+        it, o, m_i, l_i, p_op = _steps(it, BLOCK_N, full_hi, q_tile, k_smem, v_smem, k_ready, v_ready, empty, o, m_i,
+                                       l_i, p_op, offs_m, offs_n0, n_k, causal_off, qk_scale, False, IS_CAUSAL,
+                                       BLOCK_N, STAGES, mma_s, mma_o)
+        it, o, m_i, l_i, p_op = _steps(it, gl.maximum(full_hi, BLOCK_N), hi, q_tile, k_smem, v_smem, k_ready,
+                                       v_ready, empty, o, m_i, l_i, p_op, offs_m, offs_n0, n_k, causal_off, qk_scale,
+                                       True, IS_CAUSAL, BLOCK_N, STAGES, mma_s, mma_o)
+        # the last key tile's PV
+        prev = (it - 1) % STAGES
+        mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
+        o = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)
+        o, p_op = warpgroup_mma_wait(0, deps=[o, p_op])
+        mbarrier.arrive(empty.index(prev), count=1)
+        return it, o, m_i, l_i
+
+    @gluon.jit
+    def _consumer(ROLE: gl.constexpr, O, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, n_tiles,
+                  n_heads, kv_group, stride_oz, stride_oh, stride_om, n_q, n_k, causal_off, qk_scale,
+                  IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """Rows ROLE * 64 ... of the program's query tile: attention over the tile's key tiles, then O and the LSE
+        stored."""
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+        mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+        row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
+        row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
+        q_tile = q_smem.index(ROLE)
+        pid_zh, off_z, off_h, off_hk, start_m, hi, n_kt = _tile(gl.program_id(0), n_tiles, n_heads, kv_group, n_q,
+                                                                n_k, causal_off, IS_CAUSAL, 2 * _HALF_M, BLOCK_N)
+        row0 = start_m + ROLE * _HALF_M
+        mbarrier.wait(q_ready.index(ROLE), 0)
+        if n_kt > 0:
+            it, o, m_i, l_i = _attend(0, row0, hi, q_tile, k_smem, v_smem, k_ready, v_ready, empty, n_k, causal_off,
+                                      qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES, mma_s, mma_o)
+        else:  # causal, n_q > n_k + the tile's rows: no key visible
+            m_i = gl.full([_HALF_M], float("-inf"), gl.float32, layout=row_s)
+            l_i = gl.zeros([_HALF_M], gl.float32, layout=row_s)
+            o = gl.zeros([_HALF_M, HEAD_DIM], gl.float32, layout=mma_o)
+        # epilogue: O = acc / l (rows past n_q not written), LSE natural-log
+        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+        out = o / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
+        offs_mo = row0 + gl.arange(0, _HALF_M, layout=row_o)
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma_o))
+        o_ptrs = (O + off_z.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
+                  + gl.expand_dims(offs_mo.to(gl.int64) * stride_om, 1) + gl.expand_dims(offs_d, 0))
+        gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(offs_mo < n_q, 1))
+        offs_m = row0 + gl.arange(0, _HALF_M, layout=row_s)
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+        gl.store(LSE + pid_zh.to(gl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
+
+    @gluon.jit
+    def _fwd_ws_kernel(Q, K, V, O, LSE,  # Q, K, V: 4-D TMA descriptors over (Z, H, N, d); LSE (Z*H, N_q) fp32
+                       stride_oz, stride_oh, stride_om, n_heads, kv_group, n_q, n_k, causal_off, qk_scale,
+                       IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                       PRODUCER_WARPS: gl.constexpr):
+        gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
+        # one query tile of 2 x 64 rows a program, in head-major order (launch._grid), heavy causal tiles first
+        n_tiles = gl.cdiv(n_q, 2 * _HALF_M)
+        dtype: gl.constexpr = O.dtype.element_ty
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HALF_M, HEAD_DIM], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        q_smem = gl.allocate_shared_memory(dtype, [2, _HALF_M, HEAD_DIM], q_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_ready.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # released by both consumers
+        fence_async_shared()
+        # (the argument tuples are spelled out: a tuple built in Gluon code drops its constexprs)
+        gl.warp_specialize([
+            (_consumer, (0, O, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, n_tiles, n_heads,
+                         kv_group, stride_oz, stride_oh, stride_om, n_q, n_k, causal_off, qk_scale, IS_CAUSAL,
+                         HEAD_DIM, BLOCK_N, STAGES)),
+            (_consumer, (1, O, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, n_tiles, n_heads,
+                         kv_group, stride_oz, stride_oh, stride_om, n_q, n_k, causal_off, qk_scale, IS_CAUSAL,
+                         HEAD_DIM, BLOCK_N, STAGES)),
+            (_producer, (Q, K, V, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, n_tiles, n_heads,
+                         kv_group, n_q, n_k, causal_off, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES)),
+        ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ---------------------------------------------------------------------- host side
+def _aligned(t: Tensor) -> bool:
+    try:
+        return t.data_ptr() % 16 == 0
+    except RuntimeError:  # a fake tensor (torch.compile tracing) has no storage
+        return True
+
+
+def fwd_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether `_fwd_ws_kernel` can run this forward: compiled CUDA on sm_90 (wgmma is sm_90 only), fp16 / bf16,
+    head dim in HEAD_DIMS, and for the TMA unit last strides, 16-byte aligned bases and (batch, head, row)
+    strides that are multiples of 16 bytes."""
+    if common.INTERPRET or not HAVE_GLUON or q.device.type != "cuda" or q.dim() != 4:
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    d = q.shape[3]
+    if d not in HEAD_DIMS or k.shape[3] != d or v.shape[3] != d or launch._capability(q.device) != (9, 0):
+        return False
+    return all(_aligned(t) and t.stride(3) == 1 and all(s % 8 == 0 for s in t.stride()[:3]) for t in (q, k, v))
+
+
+def _host_desc(t: Tensor, rows: int):
+    """A 4-D TMA descriptor over (Z, H, N, d) t at its strides, loading (1, 1, rows, d) boxes."""
+    d = t.shape[3]
+    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d], layout)
+
+
+def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, sm_scale: float) -> None:
+    """O (preallocated, any strides with a unit last one) and lse ((Z, H, N_q) fp32, contiguous) of attention on
+    4-D (Z, H, N, d) q, k, v (k, v: H / kv_group heads), where `fwd_applies`."""
+    z, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    block_n, stages = FWD_TILES[d]
+    causal_off = n_k - n_q if is_causal else 0
+    _fwd_ws_kernel[(z * h * _cdiv(n_q, BLOCK_M),)](
+        _host_desc(q, HALF_M), _host_desc(k, block_n), _host_desc(v, block_n), o, lse, *o.stride()[:3], h,
+        h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E, IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_N=block_n,
+        STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PRODUCER_WARPS=PRODUCER_WARPS,
+        num_warps=4)
