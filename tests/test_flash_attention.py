@@ -1187,3 +1187,14 @@ def test_gpu_gluon_fwd_on_fused_projection_views():
     q, k, v = fused_qkv_views(2, 2048, 4, 4, 128, torch.bfloat16, (True, True, True))
     assert ftd._hopper_fwd_ok(q, k, v, FlashConfig())
     check_against_reference(triton_with(FlashConfig()), q, k, v, True, TOL[torch.bfloat16])
+
+
+def test_hopper_kernels_bench_refuses_in_one_line(capsys):
+    """experiments/flash_hopper_kernels.py: a malformed --shapes, or a machine without an sm_90 GPU, is one line on
+    stderr and exit code 2, before any kernel runs."""
+    from experiments import flash_hopper_kernels as bench
+    assert bench.main(["--shapes", "4x16"]) == 2
+    assert "--shapes" in capsys.readouterr().err
+    if not (CUDA and torch.cuda.get_device_capability() == (9, 0)):
+        assert bench.main([]) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
