@@ -1107,6 +1107,7 @@ def test_gluon_fwd_only_where_it_applies(monkeypatch):
         assert not ftd._hopper_fwd_ok(y, y, y, FlashConfig())
     kv = x[:, :1]  # grouped-query: one KV head for two query heads
     assert ftd._hopper_fwd_ok(x, kv, kv, FlashConfig())
+    assert not ftd._hopper_fwd_ok(x, kv.expand_as(x), kv.expand_as(x), FlashConfig())  # stride 0: no descriptor
     off = torch.zeros(2 * 64 * 128 + 4, dtype=torch.bfloat16)[4:].view(1, 2, 64, 128)  # 8 bytes off 16
     assert not ftd._hopper_fwd_ok(off, x, x, FlashConfig())
     monkeypatch.setattr(ftl, "_capability", lambda device: (10, 0))

@@ -288,7 +288,7 @@ def _aligned(t: Tensor) -> bool:
 def fwd_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether `_fwd_ws_kernel` can run this forward: compiled CUDA on sm_90 (wgmma is sm_90 only), fp16 / bf16,
     head dim in HEAD_DIMS, and for the TMA unit last strides, 16-byte aligned bases and (batch, head, row)
-    strides that are multiples of 16 bytes."""
+    strides that are positive multiples of 16 bytes."""
     if common.INTERPRET or not HAVE_GLUON or q.device.type != "cuda" or q.dim() != 4:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -296,7 +296,9 @@ def fwd_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
     d = q.shape[3]
     if d not in HEAD_DIMS or k.shape[3] != d or v.shape[3] != d or launch._capability(q.device) != (9, 0):
         return False
-    return all(_aligned(t) and t.stride(3) == 1 and all(s % 8 == 0 for s in t.stride()[:3]) for t in (q, k, v))
+    # (expanded operands, stride 0, take the Triton forward: a TMA descriptor's strides are positive)
+    return all(_aligned(t) and t.stride(3) == 1 and all(s > 0 and s % 8 == 0 for s in t.stride()[:3])
+               for t in (q, k, v))
 
 
 def _host_desc(t: Tensor, rows: int):
