@@ -191,10 +191,13 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ds_t(k_op, v_op, q_tile, do_tile, pair_buf, dv, offs_m, offs_n, n_q, causal_off, qk_scale,
-              MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr):
+              MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr,
+              LATE_DELTA: gl.constexpr = False):
         """One step for 64 keys: S^T = K Q^T and dP^T = V dO^T issued together, P^T = exp2(S^T - lse2) while dP^T
         runs, dV += P^T dO issued (left in flight), dS^T = P^T (dP^T - delta) returned in the inputs' dtype. On
-        return at most one wgmma (dV) is in flight: the previous step's dV and dK, and any older, are done."""
+        return at most one wgmma (dV) is in flight: the previous step's dV and dK, and any older, are done.
+        K and V are register or shared-memory operands; LATE_DELTA reads delta where it is used, not with lse2
+        (head dim 128: dK and dV take 128 of a thread's registers)."""
         dtype: gl.constexpr = q_tile.dtype
         keys: gl.constexpr = k_op.shape[0]
         queries: gl.constexpr = q_tile.shape[0]
@@ -204,9 +207,12 @@ if HAVE_GLUON:
         # the (lse2, delta) pairs of these query rows came with the tiles (int64: split in registers; rows past
         # n_q hold the next head's pairs or zeros, masked off in S^T). Read once both wgmmas are issued: a
         # wgmma's issue waits for every register load in flight
-        pair = pair_buf.load(gl.SliceLayout(0, mma_s))
-        lse2 = pair.to(gl.int32).to(gl.float32, bitcast=True)
-        delta = (pair >> 32).to(gl.int32).to(gl.float32, bitcast=True)
+        if LATE_DELTA:
+            lse2 = pair_buf.load(gl.SliceLayout(0, mma_s)).to(gl.int32).to(gl.float32, bitcast=True)
+        else:
+            pair = pair_buf.load(gl.SliceLayout(0, mma_s))
+            lse2 = pair.to(gl.int32).to(gl.float32, bitcast=True)
+            delta = (pair >> 32).to(gl.int32).to(gl.float32, bitcast=True)
         s_t = warpgroup_mma_wait(1, deps=[s_t])
         s_t = s_t * qk_scale
         if MASKED:
@@ -217,32 +223,8 @@ if HAVE_GLUON:
         p_t = gl.exp2(s_t - gl.expand_dims(lse2, 0))
         p_op = gl.convert_layout(p_t.to(dtype), gl.DotOperandLayout(0, mma_d, 2))
         dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
-        dp_t = warpgroup_mma_wait(1, deps=[dp_t])
-        return (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype), dv
-
-    @gluon.jit
-    def _ds_t_wide(k_op, v_op, q_tile, do_tile, pair_buf, dv, offs_m, offs_n, n_q, causal_off, qk_scale,
-                   MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr):
-        """`_ds_t` with K and V from shared memory, and delta read where it is used (registers are short at
-        head dim 128: dK and dV take 128 a thread)."""
-        dtype: gl.constexpr = q_tile.dtype
-        keys: gl.constexpr = k_op.shape[0]
-        queries: gl.constexpr = q_tile.shape[0]
-        zero_s = gl.zeros([keys, queries], gl.float32, layout=mma_s)
-        s_t = warpgroup_mma(k_op, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dp_t = warpgroup_mma(v_op, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        lse2 = pair_buf.load(gl.SliceLayout(0, mma_s)).to(gl.int32).to(gl.float32, bitcast=True)
-        s_t = warpgroup_mma_wait(1, deps=[s_t])
-        s_t = s_t * qk_scale
-        if MASKED:
-            valid = gl.expand_dims(offs_m, 0) < n_q
-            if IS_CAUSAL:
-                valid = valid & (gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m, 0) + causal_off)
-            s_t = gl.where(valid, s_t, float("-inf"))
-        p_t = gl.exp2(s_t - gl.expand_dims(lse2, 0))
-        p_op = gl.convert_layout(p_t.to(dtype), gl.DotOperandLayout(0, mma_d, 2))
-        dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
-        delta = (pair_buf.load(gl.SliceLayout(0, mma_s)) >> 32).to(gl.int32).to(gl.float32, bitcast=True)
+        if LATE_DELTA:
+            delta = (pair_buf.load(gl.SliceLayout(0, mma_s)) >> 32).to(gl.int32).to(gl.float32, bitcast=True)
         dp_t = warpgroup_mma_wait(1, deps=[dp_t])
         return (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype), dv
 
@@ -368,8 +350,8 @@ if HAVE_GLUON:
             other = (1 - ROLE) + (it >> 30)
             k_op = k_smem.index(own)
             v_op = v_smem.index(own)
-            ds_t, dv = _ds_t_wide(k_op, v_op, q_tile, do_smem.index(stage), stats_smem.index(stage), dv,
-                                  start_m + offs_m0, offs_n, n_q, causal_off, qk_scale, MASKED, IS_CAUSAL, mma_s, mma_d)
+            ds_t, dv = _ds_t(k_op, v_op, q_tile, do_smem.index(stage), stats_smem.index(stage), dv, start_m + offs_m0,
+                             offs_n, n_q, causal_off, qk_scale, MASKED, IS_CAUSAL, mma_s, mma_d, True)
             # the previous step's dK, the last reader of its ring buffer in this warpgroup, is done
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=it > 0)
             slot = it % 2
