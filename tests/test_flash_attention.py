@@ -785,23 +785,27 @@ print("compiled")
 """
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_gluon_ws_compiles_for_sm90(head_dim):
-    """The Gluon kernel compiles for sm_90a with the installed Triton, no GPU needed (the CPU machines run a
-    newer Triton than the GPU machine, and Gluon's API moves between releases), at each head dim it takes. In a
-    child process: this one's Triton runs kernels under the interpreter,
-    which does not compile."""
-    from core.kernels.flash_triton import hopper
-    if not hopper.HAVE_GLUON:
-        pytest.skip("this Triton has no Gluon")
+def compile_in_child(script: str, *args: str) -> None:
+    """Run a Gluon compile script in a child process without TRITON_INTERPRET (this process's Triton may run
+    kernels under the interpreter, which does not compile); it must print "compiled"."""
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _GLUON_COMPILE, str(head_dim)], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=300)
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gluon_ws_compiles_for_sm90(head_dim):
+    """The Gluon backward compiles for sm_90a with the installed Triton, no GPU needed (the CPU machines run a
+    newer Triton than the GPU machine, and Gluon's API moves between releases), at each head dim it takes."""
+    from core.kernels.flash_triton import hopper
+    if not hopper.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    compile_in_child(_GLUON_COMPILE, str(head_dim))
 
 
 def test_gluon_ws_only_where_it_applies(monkeypatch):
@@ -1074,18 +1078,11 @@ print("compiled")
 
 def test_gluon_fwd_compiles_for_sm90():
     """The warp-specialised Gluon forward compiles for sm_90a (d = 128, causal and not) with the installed Triton,
-    no GPU needed; in a child process, like test_gluon_ws_compiles_for_sm90 (this one's Triton may interpret)."""
+    no GPU needed."""
     from core.kernels.flash_triton import hopper_forward
     if not hopper_forward.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _GLUON_FWD_COMPILE], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=300)
-    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+    compile_in_child(_GLUON_FWD_COMPILE)
 
 
 def test_gluon_fwd_only_where_it_applies(monkeypatch):
