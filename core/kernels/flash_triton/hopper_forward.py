@@ -87,12 +87,12 @@ if HAVE_GLUON:
         _tma_load(desc, [z, h, row, 0], bar, dst.reshape([1, 1, dst.shape[0], dst.shape[1]]))
 
     @gluon.jit
-    def _load_kv(i, it, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, z, h, kv_bytes: gl.constexpr,
+    def _load_kv(i, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, z, h, kv_bytes: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """K_i and V_i into ring slot `it` % STAGES once every consumer released its previous tile (a fresh mbarrier
-        passes the wait on phase 1)."""
-        stage = it % STAGES
-        mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
+        """K_i and V_i into ring slot i % STAGES once both consumers released the tile before in it (a fresh
+        mbarrier passes the wait on phase 1)."""
+        stage = i % STAGES
+        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(stage), kv_bytes)
         _tile_load(k_desc, z, h, i * BLOCK_N, k_ready.index(stage), k_smem.index(stage))
         mbarrier.expect(v_ready.index(stage), kv_bytes)
@@ -110,12 +110,12 @@ if HAVE_GLUON:
         pid_zh, z, h, hk, start_m, hi, n_kt = _tile(gl.program_id(0), n_tiles, n_heads, kv_group, n_q, n_k,
                                                     causal_off, IS_CAUSAL, 2 * _HALF_M, BLOCK_N)
         if n_kt > 0:
-            _load_kv(0, 0, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, z, hk, kv_bytes, BLOCK_N, STAGES)
+            _load_kv(0, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, z, hk, kv_bytes, BLOCK_N, STAGES)
         for c in gl.static_range(2):
             mbarrier.expect(q_ready.index(c), q_bytes)
             _tile_load(q_desc, z, h, start_m + c * _HALF_M, q_ready.index(c), q_smem.index(c))
         for i in range(1, n_kt):
-            _load_kv(i, i, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, z, hk, kv_bytes, BLOCK_N, STAGES)
+            _load_kv(i, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, z, hk, kv_bytes, BLOCK_N, STAGES)
 
     @gluon.jit
     def _softmax(s, m_i, l_i, offs_m, offs_n, n_k, causal_off, qk_scale, MASKED: gl.constexpr,
