@@ -1152,12 +1152,13 @@ def test_forward_policy_takes_gluon_from_min_rows(monkeypatch):
     ((2, 2, 1000, 128), 1000, False, torch.float16, 2),
     ((2, 8, 300, 128), 300, True, torch.bfloat16, 2),    # grouped-query: 4 query heads per KV head
 ])
-def test_gpu_gluon_fwd_matches(shape_q, n_k, causal, dtype, kv_heads):
+def test_gpu_gluon_fwd_matches(shape_q, n_k, causal, dtype, kv_heads, monkeypatch):
     """The warp-specialised Gluon forward (`hopper_fwd_min_rows: 0`, so short rows take it too): output and
     logsumexp against float64, gradients through the backward that follows."""
     from core.kernels.flash_triton import hopper_forward
     if not (_gluon_usable() and hopper_forward.HAVE_GLUON):
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    launches = _count_calls(monkeypatch, hopper_forward, "launch_fwd")
     torch.manual_seed(15)
     b, h, n_q, d = shape_q
     q = torch.randn(b, h, n_q, d, device="cuda", dtype=dtype, requires_grad=True)
@@ -1171,20 +1172,33 @@ def test_gpu_gluon_fwd_matches(shape_q, n_k, causal, dtype, kv_heads):
     seen = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), seen) and (lse[seen].double() - ref_lse[seen]).abs().max() < 1e-3
     check_gqa_against_reference(cfg, b, h, kv_heads, n_q, n_k, d, dtype, causal)
+    assert launches == [1, 1]  # both forwards ran the Gluon kernel
 
 
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_gpu_gluon_fwd_on_fused_projection_views():
+def test_gpu_gluon_fwd_on_fused_projection_views(monkeypatch):
     """The Gluon forward reads q, k, v sliced from the fused projection in place (4-D TMA descriptors at their
     strides) and writes O dense in the model's (B, T, H, d) order."""
     from core.kernels.flash_triton import hopper_forward
     if not (_gluon_usable() and hopper_forward.HAVE_GLUON):
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    launches = _count_calls(monkeypatch, hopper_forward, "launch_fwd")
     torch.manual_seed(16)
     q, k, v = fused_qkv_views(2, 2048, 4, 4, 128, torch.bfloat16, (True, True, True))
-    assert ftd._hopper_fwd_ok(q, k, v, FlashConfig())
     check_against_reference(triton_with(FlashConfig()), q, k, v, True, TOL[torch.bfloat16])
+    assert launches == [1]
+
+
+def _count_calls(monkeypatch, module, name: str) -> list[int]:
+    """Wrap module.name so each call appends 1 to the returned list (which kernels a test ran)."""
+    calls, fn = [], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+    monkeypatch.setattr(module, name, counted)
+    return calls
 
 
 def test_hopper_kernels_bench_refuses_in_one_line(capsys):
