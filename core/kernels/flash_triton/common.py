@@ -162,6 +162,15 @@ if HAVE_TRITON:
         else:
             tl.store(ptrs, x, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
 
+def _tma_aligned(t: Tensor) -> bool:
+    """Whether t's base address is 16-byte aligned, as a TMA descriptor needs (the Gluon kernels' checks). A fake
+    tensor (torch.compile tracing) has no storage: True, and the kernels' host code checks the real one."""
+    try:
+        return t.data_ptr() % 16 == 0
+    except RuntimeError:
+        return True
+
+
 # Host-side helpers in plain Python: `triton.cdiv` / `triton.next_power_of_2` are
 # `constexpr_function` wrappers costing ~2.5 us per call from the host (5 calls per fwd+bwd).
 def _cdiv(a: int, b: int) -> int:

@@ -537,13 +537,6 @@ if HAVE_GLUON:
 
 
 # ---------------------------------------------------------------------- host side
-def _aligned(t: Tensor) -> bool:
-    try:
-        return t.data_ptr() % 16 == 0
-    except RuntimeError:  # a fake tensor (torch.compile tracing) has no storage: flash_bwd_impl checks again
-        return True
-
-
 def ws_applies(q: Tensor, do: Tensor, d: int) -> bool:
     """Whether `_bwd_ws_kernel` can run this backward: compiled CUDA on sm_90 (wgmma is sm_90 only; Blackwell has
     other tensor-core instructions), fp16 / bf16, d in HEAD_DIMS, and for the TMA 16-byte aligned bases and row
@@ -551,7 +544,8 @@ def ws_applies(q: Tensor, do: Tensor, d: int) -> bool:
     if common.INTERPRET or q.dtype == torch.float32 or q.device.type != "cuda" or d not in HEAD_DIMS:
         return False
     return HAVE_GLUON and launch._capability(q.device) == (9, 0) and q.shape[2] % 2 == 0 \
-        and _aligned(q) and _aligned(do) and all(s % 8 == 0 for s in q.stride()[:3] + do.stride()[:3])
+        and common._tma_aligned(q) and common._tma_aligned(do) \
+        and all(s % 8 == 0 for s in q.stride()[:3] + do.stride()[:3])
 
 
 def launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_scale, is_causal) -> None:

@@ -44,9 +44,8 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
     from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from core.kernels.flash_triton.hopper import _tma_load  # the TMA load under its 3.6 or 3.9 name
     HAVE_GLUON = True
-    # Triton 3.6 calls the TMA load async_copy_global_to_shared; 3.9 renamed it async_load (same arguments)
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 except ImportError:  # a Triton without Gluon (or without its Hopper ops)
     HAVE_GLUON = False
 
@@ -278,13 +277,6 @@ if HAVE_GLUON:
 
 
 # ---------------------------------------------------------------------- host side
-def _aligned(t: Tensor) -> bool:
-    try:
-        return t.data_ptr() % 16 == 0
-    except RuntimeError:  # a fake tensor (torch.compile tracing) has no storage
-        return True
-
-
 def fwd_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether `_fwd_ws_kernel` can run this forward: compiled CUDA on sm_90 (wgmma is sm_90 only), fp16 / bf16,
     head dim in HEAD_DIMS, and for the TMA unit last strides, 16-byte aligned bases and (batch, head, row)
@@ -297,8 +289,8 @@ def fwd_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
     if d not in HEAD_DIMS or k.shape[3] != d or v.shape[3] != d or launch._capability(q.device) != (9, 0):
         return False
     # (expanded operands, stride 0, take the Triton forward: a TMA descriptor's strides are positive)
-    return all(_aligned(t) and t.stride(3) == 1 and all(s > 0 and s % 8 == 0 for s in t.stride()[:3])
-               for t in (q, k, v))
+    return all(common._tma_aligned(t) and t.stride(3) == 1
+               and all(s > 0 and s % 8 == 0 for s in t.stride()[:3]) for t in (q, k, v))
 
 
 def _host_desc(t: Tensor, rows: int):
