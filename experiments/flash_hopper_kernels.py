@@ -1,14 +1,16 @@
-"""The Hopper (Gluon) flash_triton kernels at head dim 128 against the Triton kernels they replace and cuDNN, the
-kernels called directly (no autograd), in one process:
+"""The Hopper (Gluon) flash_triton kernels against the Triton kernels they replace and cuDNN, the kernels called
+directly (no autograd), in one process:
 
     python3 experiments/flash_hopper_kernels.py --check                      # float64 checks, then the timings
-    python3 experiments/flash_hopper_kernels.py --shapes 4x16x16384,8x16x8192,32x16x2048
+    python3 experiments/flash_hopper_kernels.py --shapes 4x16x16384,8x16x8192,32x16x2048 --dims 128,96,80
 
 Timed per shape (bf16, causal, medians of `triton.testing.do_bench`): the forward as the default config runs it
 (the warp-specialised Gluon forward, `hopper_forward`) and the Triton forward; the backward as the warp-specialised
 Gluon kernel (`backward: atomic_dq`) and as the Triton two-pass kernels; cuDNN's forward and backward through SDPA
-(backward: `autograd.grad` on a saved output). The Triton kernels run at the autotuner's choices for these shapes
-(pinned, so no autotuning runs here): forward 64x64 (4 warps, 3 stages), dQ 128x64 (8, 3), dK/dV 64x64 (4, 2).
+(backward: `autograd.grad` on a saved output). At d = 128 the Triton kernels run at the autotuner's choices for
+these shapes, pinned: forward 64x64 (4 warps, 3 stages), dQ 128x64 (8, 3), dK/dV 64x64 (4, 2); at other head dims
+the autotuner runs. The Gluon backward takes d = 64 and 128 (elsewhere its column shows "-"); the Gluon forward
+d = 80, 96 (the head dim as a 64-column part and a 16- or 32-column tail) and 128.
 `--check` first runs forward+backward through `FlashAttentionTriton` against float64 attention on shapes that take
 the Gluon kernels (causal and not, GQA, N_q != N_k, odd lengths, fp16, views of a fused qkv projection) and says
 which kernels ran. Needs an sm_90 GPU and a Triton with Gluon. Writes a markdown table to `--out` (default
@@ -32,10 +34,14 @@ from core.kernels.flash_triton import FlashAttentionTriton, FlashConfig  # noqa:
 from core.kernels.flash_triton import dispatch as ftd, hopper, hopper_forward  # noqa: E402
 from experiments.results import default_out, write_result  # noqa: E402
 
-# the autotuner's choices at d = 128 for the training grid's shapes (H100), pinned: no autotuning in this script
+# the autotuner's choices at d = 128 for the training grid's shapes (H100), pinned there
 TRITON_TILES = {"fwd": (64, 64, 4, 3), "dq": (128, 64, 8, 3), "dkdv": (64, 64, 4, 2)}
-GLUON = FlashConfig(backward="atomic_dq", hopper_fwd_min_rows=0)           # Gluon forward and backward
-TRITON = FlashConfig(backward="two_pass", hopper_fwd=False, tiles=TRITON_TILES)
+GLUON = FlashConfig(backward="atomic_dq", hopper_fwd_min_rows=0, hopper_fwd_min_rows_tail=0)  # Gluon fwd and bwd
+
+
+def triton_config(d: int) -> FlashConfig:
+    """The Triton forward and two-pass backward: pinned tiles at d = 128, the autotuner's elsewhere."""
+    return FlashConfig(backward="two_pass", hopper_fwd=False, tiles=TRITON_TILES if d == 128 else {})
 
 
 class _Counted:
@@ -78,14 +84,14 @@ def check(lines: list[str], name: str, q, k, v, causal: bool, fwd_calls: _Counte
     return ok
 
 
-def run_checks(lines: list[str]) -> bool:
+def run_checks(lines: list[str], d: int) -> bool:
     fwd_calls, bwd_calls = _Counted(hopper_forward, "launch_fwd"), _Counted(hopper, "launch_ws")
-    lines += ["### correctness against float64 (relative max error)", "",
+    lines += [f"### correctness against float64 (relative max error), d = {d}", "",
               "| case | result | out / dq / dk / dv | forward | backward |", "|---|---|---|---|---|"]
 
     def qkv(b, h, n_q, n_k=None, h_kv=None, dtype=torch.bfloat16):
-        q = torch.randn(b, h, n_q, 128, device="cuda", dtype=dtype, requires_grad=True)
-        k, v = (torch.randn(b, h_kv or h, n_k or n_q, 128, device="cuda", dtype=dtype, requires_grad=True)
+        q = torch.randn(b, h, n_q, d, device="cuda", dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(b, h_kv or h, n_k or n_q, d, device="cuda", dtype=dtype, requires_grad=True)
                 for _ in range(2))
         return q, k, v
 
@@ -99,7 +105,7 @@ def run_checks(lines: list[str]) -> bool:
                                ("odd N_q = N_k = 2049 causal", qkv(1, 2, 2049), True),
                                ("fp16 (1, 4, 2048) causal", qkv(1, 4, 2048, dtype=torch.float16), True)]:
         ok &= check(lines, name, *args, causal, fwd_calls, bwd_calls)
-    qkv_leaf = torch.randn(2, 2048, 12, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    qkv_leaf = torch.randn(2, 2048, 12, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
     def split(x):  # the model's layout: (B, H, T, d) views of a fused (B, T, 3H, d) projection
         return x.transpose(1, 2).split([4, 4, 4], dim=1)
@@ -111,6 +117,11 @@ def run_checks(lines: list[str]) -> bool:
     return ok
 
 
+def _ms(t: float, ref: float) -> str:
+    """A time in ms and its ratio to ref; "-" for a kernel that does not run at this shape."""
+    return "-" if math.isnan(t) else f"{t:.3f} ({t / ref:.2f})"
+
+
 def run_timings(lines: list[str], shapes: list[tuple[int, int, int]], d: int) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import triton
@@ -118,6 +129,8 @@ def run_timings(lines: list[str], shapes: list[tuple[int, int, int]], d: int) ->
     def bench(fn):
         return triton.testing.do_bench(fn, warmup=25, rep=100)
 
+    gluon_bwd = d in hopper.HEAD_DIMS
+    triton_cfg = triton_config(d)
     lines += [f"### kernels alone, d = {d}, bf16, causal: ms (ratio to cuDNN)", "",
               "| B, H, S | fwd Gluon | fwd Triton | fwd cuDNN | bwd Gluon | bwd Triton two-pass | bwd cuDNN | "
               "fwd+bwd default policy / cuDNN | Gluon fwd TFLOP/s |", "|---|---|---|---|---|---|---|---|---|"]
@@ -126,24 +139,27 @@ def run_timings(lines: list[str], shapes: list[tuple[int, int, int]], d: int) ->
             q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             do = torch.randn_like(q)
             t = {"fwd_gluon": bench(lambda: ftd.flash_fwd_impl(q, k, v, True, GLUON)),
-                 "fwd_triton": bench(lambda: ftd.flash_fwd_impl(q, k, v, True, TRITON))}
+                 "fwd_triton": bench(lambda: ftd.flash_fwd_impl(q, k, v, True, triton_cfg))}
             o, lse = ftd.flash_fwd_impl(q, k, v, True, GLUON)
-            t["bwd_gluon"] = bench(lambda: ftd.flash_bwd_impl(do, q, k, v, o, lse, True, "atomic_dq", GLUON))
-            t["bwd_triton"] = bench(lambda: ftd.flash_bwd_impl(do, q, k, v, o, lse, True, "two_pass", TRITON))
+            t["bwd_gluon"] = (bench(lambda: ftd.flash_bwd_impl(do, q, k, v, o, lse, True, "atomic_dq", GLUON))
+                              if gluon_bwd else float("nan"))
+            t["bwd_triton"] = bench(lambda: ftd.flash_bwd_impl(do, q, k, v, o, lse, True, "two_pass", triton_cfg))
             qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 t["fwd_cudnn"] = bench(lambda: F.scaled_dot_product_attention(qg, kg, vg, is_causal=True))
                 oc = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
                 t["bwd_cudnn"] = bench(lambda: torch.autograd.grad(oc, (qg, kg, vg), do, retain_graph=True))
-            # the default policy: the Gluon forward from hopper_fwd_min_rows, the Gluon backward from ws_min_rows
+            # the default policy: the Gluon forward from hopper_fwd_min_rows(_tail), the Gluon backward from
+            # ws_min_rows
             cfg = FlashConfig()
-            fwd = t["fwd_gluon"] if s >= cfg.hopper_fwd_min_rows else t["fwd_triton"]
-            bwd = t["bwd_gluon"] if s >= cfg.ws_min_rows else t["bwd_triton"]
+            min_rows = cfg.hopper_fwd_min_rows if d == 128 else cfg.hopper_fwd_min_rows_tail
+            fwd = t["fwd_gluon"] if s >= min_rows else t["fwd_triton"]
+            bwd = t["bwd_gluon"] if s >= cfg.ws_min_rows and gluon_bwd else t["bwd_triton"]
             fc, bc = t["fwd_cudnn"], t["bwd_cudnn"]
             flops = 4 * b * h * s * s * d / 2
             lines.append(f"| {b}, {h}, {s} | {t['fwd_gluon']:.3f} ({t['fwd_gluon'] / fc:.2f}) | "
                          f"{t['fwd_triton']:.3f} ({t['fwd_triton'] / fc:.2f}) | {fc:.3f} | "
-                         f"{t['bwd_gluon']:.3f} ({t['bwd_gluon'] / bc:.2f}) | {t['bwd_triton']:.3f} "
+                         f"{_ms(t['bwd_gluon'], bc)} | {t['bwd_triton']:.3f} "
                          f"({t['bwd_triton'] / bc:.2f}) | {bc:.3f} | {(fwd + bwd) / (fc + bc):.2f} | "
                          f"{flops / t['fwd_gluon'] / 1e9:.0f} |")
             del q, k, v, do, o, lse, qg, kg, vg, oc
@@ -156,6 +172,8 @@ def run_timings(lines: list[str], shapes: list[tuple[int, int, int]], d: int) ->
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="4x16x16384,8x16x8192,32x16x2048", help="BxHxS, comma-separated")
+    ap.add_argument("--dims", default="128,96,80", help="head dims, comma-separated (the Gluon forward's: 80, 96, "
+                    "128)")
     ap.add_argument("--check", action="store_true", help="first check the kernels against float64")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -165,17 +183,25 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, AssertionError):
         print(f"--shapes: {args.shapes!r} is not a list of BxHxS (e.g. 4x16x16384,8x16x8192)", file=sys.stderr)
         return 2
+    try:
+        dims = [int(x) for x in args.dims.split(",")]
+        assert all(d in hopper_forward.HEAD_DIMS for d in dims)
+    except (ValueError, AssertionError):
+        print(f"--dims: {args.dims!r} is not a list of the Gluon forward's head dims "
+              f"{', '.join(map(str, hopper_forward.HEAD_DIMS))}", file=sys.stderr)
+        return 2
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
             and hopper.HAVE_GLUON and hopper_forward.HAVE_GLUON):
         print("needs an sm_90 GPU (H100 / H200) and a Triton with Gluon: the kernels measured here are Hopper's",
               file=sys.stderr)
         return 2
     import triton
-    lines = ["# flash_triton Hopper kernels, d = 128", "",
+    lines = ["# flash_triton Hopper kernels", "",
              f"- device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}",
              f"- command: `python3 experiments/flash_hopper_kernels.py {' '.join(argv or sys.argv[1:])}`", ""]
-    ok = run_checks(lines) if args.check else True
-    run_timings(lines, shapes, 128)
+    ok = all([run_checks(lines, d) for d in dims]) if args.check else True
+    for d in dims:
+        run_timings(lines, shapes, d)
     print(f"written to {write_result(args.out or default_out('flash_hopper_kernels'), chr(10).join(lines) + chr(10))}")
     return 0 if ok else 1
 

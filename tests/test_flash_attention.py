@@ -1044,12 +1044,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
-from core.kernels.flash_triton import hopper_forward as hf
+from core.kernels.flash_triton import common, hopper_forward as hf
 jf = hf._fwd_ws_kernel
 for d in hf.HEAD_DIMS:
+    d_main, d_tail = common._TILE_D[d]
     for causal in (True, False):
         block_n, stages = hf.FWD_TILES[d]
-        constexprs = dict(IS_CAUSAL=causal, HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages,
+        constexprs = dict(IS_CAUSAL=causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, STAGES=stages,
                           CONSUMER_REGS=hf.CONSUMER_REGS, PRODUCER_REGS=hf.PRODUCER_REGS,
                           PRODUCER_WARPS=hf.PRODUCER_WARPS)
         sig = {}
@@ -1058,9 +1059,10 @@ for d in hf.HEAD_DIMS:
                 sig[name] = "constexpr"
             elif name == "LSE":
                 sig[name] = "*fp32"
-            elif name in ("Q", "K", "V"):  # 4-D TMA descriptors made on the host
-                rows = hf.HALF_M if name == "Q" else block_n
-                sig[name] = mangle_type(hf._host_desc(torch.empty(1, 1, rows, d, dtype=torch.bfloat16), rows))
+            elif name in ("Q", "K", "V", "Q_T", "K_T", "V_T"):  # 4-D TMA descriptors made on the host
+                rows = hf.HALF_M if name[0] == "Q" else block_n
+                width = d_tail if name.endswith("_T") and d_tail else d_main
+                sig[name] = mangle_type(hf._host_desc(torch.empty(1, 1, rows, width, dtype=torch.bfloat16), rows))
             elif name.isupper():
                 sig[name] = "*bf16"
             else:
@@ -1069,6 +1071,8 @@ for d in hf.HEAD_DIMS:
                                 target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
         ptx = kernel.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and kernel.asm["cubin"]
+        # the head dim's tail: its own wgmmas (N = the tail's width for O += P V)
+        assert (f"m64n{d_tail}k16" in ptx) == bool(d_tail), d
         # two consumer warpgroups and a producer warpgroup, registers moved between them; within shared memory
         assert "setmaxnreg" in ptx and kernel.metadata.num_warps == 12, d
         assert kernel.metadata.shared <= 232448, d
@@ -1077,8 +1081,8 @@ print("compiled")
 
 
 def test_gluon_fwd_compiles_for_sm90():
-    """The warp-specialised Gluon forward compiles for sm_90a (d = 128, causal and not) with the installed Triton,
-    no GPU needed."""
+    """The warp-specialised Gluon forward compiles for sm_90a (d = 80, 96, 128, causal and not) with the installed
+    Triton, no GPU needed."""
     from core.kernels.flash_triton import hopper_forward
     if not hopper_forward.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
@@ -1086,8 +1090,8 @@ def test_gluon_fwd_compiles_for_sm90():
 
 
 def test_gluon_fwd_only_where_it_applies(monkeypatch):
-    """The Gluon forward is on by default (`hopper_fwd`) for bf16 / fp16 at head dim 128 with TMA-aligned q, k, v,
-    and off for fp32, other head dims, unaligned rows, other GPUs and under the interpreter."""
+    """The Gluon forward is on by default (`hopper_fwd`) for bf16 / fp16 at head dims 80, 96 and 128 with
+    TMA-aligned q, k, v, and off for fp32, other head dims, unaligned rows, other GPUs and under the interpreter."""
     from core.kernels.flash_triton import hopper_forward
     if not hopper_forward.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
@@ -1099,9 +1103,11 @@ def test_gluon_fwd_only_where_it_applies(monkeypatch):
     assert not ftd._hopper_fwd_ok(x, x, x, FlashConfig(hopper_fwd=False))
     assert ftd._hopper_fwd_ok(x.half(), x.half(), x.half(), FlashConfig())
     assert not ftd._hopper_fwd_ok(x.float(), x.float(), x.float(), FlashConfig())
-    for d in (64, 96):  # the Triton forward is faster at 64; 96 is no tile width of this kernel
+    for d, applies in ((64, False), (80, True), (96, True), (112, False)):  # the Triton forward is faster at 64
         y = x[..., :d].contiguous()
-        assert not ftd._hopper_fwd_ok(y, y, y, FlashConfig())
+        assert ftd._hopper_fwd_ok(y, y, y, FlashConfig()) == applies, d
+    sliced = x[..., :96]  # a view with 128-column rows: its tail's base is 128 bytes past each row's start
+    assert ftd._hopper_fwd_ok(sliced, sliced, sliced, FlashConfig())
     kv = x[:, :1]  # grouped-query: one KV head for two query heads
     assert ftd._hopper_fwd_ok(x, kv, kv, FlashConfig())
     assert not ftd._hopper_fwd_ok(x, kv.expand_as(x), kv.expand_as(x), FlashConfig())  # stride 0: no descriptor
@@ -1115,9 +1121,10 @@ def test_gluon_fwd_only_where_it_applies(monkeypatch):
 
 
 def test_forward_policy_takes_gluon_from_min_rows(monkeypatch):
-    """The forward runs the Gluon kernel where it applies from `hopper_fwd_min_rows` query rows on, unless the
-    split-KV forward splits the call or `tiles.fwd` pins the Triton kernel; elsewhere the Triton kernels (their
-    output against float64 here)."""
+    """The forward runs the Gluon kernel where it applies from `hopper_fwd_min_rows` query rows on
+    (`hopper_fwd_min_rows_tail` for head dims tiled as a part and a tail, 80 here), unless the split-KV forward
+    splits the call or `tiles.fwd` pins the Triton kernel; elsewhere the Triton kernels (their output against
+    float64 here)."""
     from core.kernels.flash_triton import hopper_forward
     launched = []
 
@@ -1129,16 +1136,17 @@ def test_forward_policy_takes_gluon_from_min_rows(monkeypatch):
 
     monkeypatch.setattr(ftd, "_hopper_fwd_ok", lambda q, k, v, cfg: cfg.hopper_fwd)
     monkeypatch.setattr(hopper_forward, "launch_fwd", fake_launch)
-    cfg = FlashConfig(hopper_fwd_min_rows=64)
-    cases = [(64, cfg, [64]), (32, cfg, []),                 # from hopper_fwd_min_rows rows on
-             (64, cfg.replace(split_keys=16), []),           # a split-KV call stays split
-             (64, cfg.replace(hopper_fwd=False), []),
-             (64, cfg.replace(tiles={"fwd": (32, 16, 4, 1)}), [])]  # pinned tiles: the Triton forward
-    for n_q, c, expect in cases:
+    cfg = FlashConfig(hopper_fwd_min_rows=64, hopper_fwd_min_rows_tail=96)
+    cases = [(64, 32, cfg, [64]), (32, 32, cfg, []),            # from hopper_fwd_min_rows rows on
+             (64, 80, cfg, []), (96, 80, cfg, [96]),            # 80 = 64 + 16: from hopper_fwd_min_rows_tail
+             (64, 32, cfg.replace(split_keys=16), []),          # a split-KV call stays split
+             (64, 32, cfg.replace(hopper_fwd=False), []),
+             (64, 32, cfg.replace(tiles={"fwd": (32, 16, 4, 1)}), [])]  # pinned tiles: the Triton forward
+    for n_q, d, c, expect in cases:
         launched.clear()
-        q, k, v = (torch.randn(1, 2, n_q, 32, device=DEVICE) for _ in range(3))
+        q, k, v = (torch.randn(1, 2, n_q, d, device=DEVICE) for _ in range(3))
         out, lse = ft.flash_fwd_impl(q, k, v, True, c)
-        assert launched == expect, (n_q, c)
+        assert launched == expect, (n_q, d, c)
         ref, ref_lse = reference_attention(q, k, v, True)
         assert rel_err(out, ref) < TOL[torch.float32] and rel_err(lse, ref_lse) < TOL[torch.float32]
 
@@ -1151,6 +1159,11 @@ def test_forward_policy_takes_gluon_from_min_rows(monkeypatch):
     ((1, 2, 334, 128), 200, True, torch.bfloat16, 2),    # rows that see no key: output 0, logsumexp -inf
     ((2, 2, 1000, 128), 1000, False, torch.float16, 2),
     ((2, 8, 300, 128), 300, True, torch.bfloat16, 2),    # grouped-query: 4 query heads per KV head
+    ((2, 3, 258, 96), 258, True, torch.bfloat16, 3),     # d = 96 = 64 + 32: the head dim's tail in its own wgmmas
+    ((1, 2, 334, 96), 200, True, torch.float16, 2),
+    ((2, 8, 300, 96), 431, False, torch.bfloat16, 2),
+    ((2, 3, 258, 80), 258, True, torch.bfloat16, 3),     # d = 80 = 64 + 16
+    ((1, 4, 515, 80), 515, False, torch.float16, 1),
 ])
 def test_gpu_gluon_fwd_matches(shape_q, n_k, causal, dtype, kv_heads, monkeypatch):
     """The warp-specialised Gluon forward (`hopper_fwd_min_rows: 0`, so short rows take it too): output and
@@ -1163,7 +1176,7 @@ def test_gpu_gluon_fwd_matches(shape_q, n_k, causal, dtype, kv_heads, monkeypatc
     b, h, n_q, d = shape_q
     q = torch.randn(b, h, n_q, d, device="cuda", dtype=dtype, requires_grad=True)
     k, v = (torch.randn(b, kv_heads, n_k, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
-    cfg = FlashConfig(hopper_fwd_min_rows=0)
+    cfg = FlashConfig(hopper_fwd_min_rows=0, hopper_fwd_min_rows_tail=0)
     assert ftd._hopper_fwd_ok(q, k, v, cfg)
     out, lse = flash_attention_with_lse(q, k, v, causal, cfg)
     kr, vr = (x.detach().double().repeat_interleave(h // kv_heads, dim=1) for x in (k, v))
@@ -1177,16 +1190,20 @@ def test_gpu_gluon_fwd_matches(shape_q, n_k, causal, dtype, kv_heads, monkeypatc
 
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_gpu_gluon_fwd_on_fused_projection_views(monkeypatch):
+@pytest.mark.parametrize("d", [80, 128])
+def test_gpu_gluon_fwd_on_fused_projection_views(d, monkeypatch):
     """The Gluon forward reads q, k, v sliced from the fused projection in place (4-D TMA descriptors at their
-    strides) and writes O dense in the model's (B, T, H, d) order."""
+    strides; at d = 80 the head dim's tail through descriptors of its own) and writes O dense in the model's
+    (B, T, H, d) order."""
     from core.kernels.flash_triton import hopper_forward
     if not (_gluon_usable() and hopper_forward.HAVE_GLUON):
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
     launches = _count_calls(monkeypatch, hopper_forward, "launch_fwd")
     torch.manual_seed(16)
-    q, k, v = fused_qkv_views(2, 2048, 4, 4, 128, torch.bfloat16, (True, True, True))
-    check_against_reference(triton_with(FlashConfig()), q, k, v, True, TOL[torch.bfloat16])
+    q, k, v = fused_qkv_views(2, 2048, 4, 4, d, torch.bfloat16, (True, True, True))
+    # (2048 rows: under the default policy only d = 128 takes the Gluon forward there)
+    cfg = FlashConfig(hopper_fwd_min_rows_tail=0)
+    check_against_reference(triton_with(cfg), q, k, v, True, TOL[torch.bfloat16])
     assert launches == [1]
 
 

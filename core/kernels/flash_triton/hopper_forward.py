@@ -20,15 +20,22 @@ The TMA descriptors are 4-D, over (Z, H, N, d) at the tensors' strides, made on 
 ones in every program cost 20-25% at S = 512), so views such as q, k, v sliced from a fused projection are read in
 place.
 
+Head dims that are no power of two are tiled as a power-of-two main part and a tail (`common._TILE_D`: 80 = 64 +
+16, 96 = 64 + 32), not padded: register and shared-memory tiles must be powers of two, and a 128-wide tile would do
+1.6x / 1.33x the matmul work. Each part has its own TMA descriptors (the tail's over the columns from 64 on) and
+shared-memory buffers; S = Q K^T is two wgmmas into one accumulator, and O += P V one per part, the tail's
+accumulator beside the main one. At d = 128 (no tail) the tail's code is compiled out.
+
 Causal masks are bottom-right aligned (query i sees keys j <= i + n_k - n_q); each consumer masks only its
 diagonal and ragged-end tiles (and the first, peeled off the pipelined loop). Grouped-query attention: query head
 h reads KV head h // kv_group. Tiles are ordered head-major, each head's heavy causal tiles first, as for
 `forward._fwd_kernel`. Outputs: O in its dtype at its strides, and the natural-log logsumexp (fp32, (Z*H, N_q);
 -inf and output 0 for a row that sees no key).
 
-Scope (`fwd_applies`): compiled CUDA on sm_90, fp16 / bf16, head dim 128 (`HEAD_DIMS`), unit last strides and
-16-byte aligned bases and (batch, head, row) strides of Q, K and V (TMA). Everything else runs the Triton kernels;
-`dispatch.flash_fwd_impl` takes this one from `FlashConfig.hopper_fwd_min_rows` query rows on.
+Scope (`fwd_applies`): compiled CUDA on sm_90, fp16 / bf16, head dims 80, 96 and 128 (`HEAD_DIMS`), unit last
+strides and 16-byte aligned bases and (batch, head, row) strides of Q, K and V (TMA). Everything else runs the
+Triton kernels; `dispatch.flash_fwd_impl` takes this one from `FlashConfig.hopper_fwd_min_rows` query rows on
+(`hopper_fwd_min_rows_tail` at d = 80 and 96).
 """
 from __future__ import annotations
 
@@ -49,14 +56,14 @@ try:
 except ImportError:  # a Triton without Gluon (or without its Hopper ops)
     HAVE_GLUON = False
 
-# where it is faster than the Triton forward on the H100 (docs/attention.md): head dim 128; at 64 the Triton
-# kernel's 64-row tiles win (the exponentials, not the matmuls, bound it there)
-HEAD_DIMS = (128,)
+# where it is faster than the Triton forward on the H100 (docs/attention.md): head dims 80, 96 and 128; at 64 the
+# Triton kernel's 64-row tiles win (the exponentials, not the matmuls, bound it there)
+HEAD_DIMS = (80, 96, 128)
 # query rows per program: two consumer warpgroups of HALF_M rows
 BLOCK_M, HALF_M = 128, 64
-# (BLOCK_N keys per tile, STAGES of the K/V ring) per head dim: Q 32 KB + 3 x (K + V) 64 KB = 224 KB of the 227 KB
-# of shared memory
-FWD_TILES = {128: (128, 3)}
+# (BLOCK_N keys per tile, STAGES of the K/V ring) per head dim, within the 227 KB of shared memory a program may
+# have: d = 128, Q 32 KB + 3 x (K + V) 64 KB = 224 KB; d = 96, 24 + 4 x 48 = 216 KB; d = 80, 20 + 4 x 40 = 180 KB
+FWD_TILES = {80: (128, 4), 96: (128, 4), 128: (128, 3)}
 # setmaxnreg: consumers 240 registers a thread, the producer 24 (2 x 128 x 240 + 128 x 24 <= 64 K)
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 PRODUCER_WARPS = 4
@@ -80,41 +87,50 @@ if HAVE_GLUON:
         return pid_zh, off_z, off_h, off_h // kv_group, start_m, hi, gl.cdiv(hi, BLOCK_N)
 
     @gluon.jit
-    def _tile_load(desc, z, h, row, bar, dst):
-        """TMA load of rows row ... of head (z, h) through a 4-D descriptor over (Z, H, N, d) (rows past the head's
-        end read as zeros)."""
+    def _tile_load(desc, tail_desc, z, h, row, bar, dst, tail_dst, D_TAIL: gl.constexpr):
+        """TMA loads of rows row ... of head (z, h), through 4-D descriptors over (Z, H, N, d): the head dim's
+        main part into dst and, where it has one, its tail into tail_dst (rows past the head's end read as
+        zeros)."""
         _tma_load(desc, [z, h, row, 0], bar, dst.reshape([1, 1, dst.shape[0], dst.shape[1]]))
+        if D_TAIL > 0:
+            _tma_load(tail_desc, [z, h, row, 0], bar, tail_dst.reshape([1, 1, tail_dst.shape[0], tail_dst.shape[1]]))
 
     @gluon.jit
-    def _load_kv(i, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, z, h, kv_bytes: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    def _load_kv(i, k_desc, v_desc, kt_desc, vt_desc, k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready, empty, z,
+                 h, kv_bytes: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D_TAIL: gl.constexpr):
         """K_i and V_i into ring slot i % STAGES once both consumers released the tile before in it (a fresh
         mbarrier passes the wait on phase 1)."""
         stage = i % STAGES
         mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(stage), kv_bytes)
-        _tile_load(k_desc, z, h, i * BLOCK_N, k_ready.index(stage), k_smem.index(stage))
+        _tile_load(k_desc, kt_desc, z, h, i * BLOCK_N, k_ready.index(stage), k_smem.index(stage),
+                   kt_smem.index(stage), D_TAIL)
         mbarrier.expect(v_ready.index(stage), kv_bytes)
-        _tile_load(v_desc, z, h, i * BLOCK_N, v_ready.index(stage), v_smem.index(stage))
+        _tile_load(v_desc, vt_desc, z, h, i * BLOCK_N, v_ready.index(stage), v_smem.index(stage),
+                   vt_smem.index(stage), D_TAIL)
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, n_tiles,
-                  n_heads, kv_group, n_q, n_k, causal_off, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    def _producer(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
+                  vt_smem, q_ready, k_ready, v_ready, empty, n_tiles, n_heads, kv_group, n_q, n_k, causal_off,
+                  IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr):
         """TMA loads of the program's query tile: K_0 / V_0 and the consumers' two Q blocks, then K_i / V_i of the
         other key tiles through the ring. Rows past a head's end read as zeros."""
         elem: gl.constexpr = q_smem.dtype.primitive_bitwidth // 8
-        q_bytes: gl.constexpr = _HALF_M * HEAD_DIM * elem
-        kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * elem
+        q_bytes: gl.constexpr = _HALF_M * (D_MAIN + D_TAIL) * elem
+        kv_bytes: gl.constexpr = BLOCK_N * (D_MAIN + D_TAIL) * elem
         pid_zh, z, h, hk, start_m, hi, n_kt = _tile(gl.program_id(0), n_tiles, n_heads, kv_group, n_q, n_k,
                                                     causal_off, IS_CAUSAL, 2 * _HALF_M, BLOCK_N)
         if n_kt > 0:
-            _load_kv(0, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, z, hk, kv_bytes, BLOCK_N, STAGES)
+            _load_kv(0, k_desc, v_desc, kt_desc, vt_desc, k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready, empty,
+                     z, hk, kv_bytes, BLOCK_N, STAGES, D_TAIL)
         for c in gl.static_range(2):
             mbarrier.expect(q_ready.index(c), q_bytes)
-            _tile_load(q_desc, z, h, start_m + c * _HALF_M, q_ready.index(c), q_smem.index(c))
+            _tile_load(q_desc, qt_desc, z, h, start_m + c * _HALF_M, q_ready.index(c), q_smem.index(c),
+                       qt_smem.index(c), D_TAIL)
         for i in range(1, n_kt):
-            _load_kv(i, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, z, hk, kv_bytes, BLOCK_N, STAGES)
+            _load_kv(i, k_desc, v_desc, kt_desc, vt_desc, k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready, empty,
+                     z, hk, kv_bytes, BLOCK_N, STAGES, D_TAIL)
 
     @gluon.jit
     def _softmax(s, m_i, l_i, offs_m, offs_n, n_k, causal_off, qk_scale, MASKED: gl.constexpr,
@@ -137,42 +153,74 @@ if HAVE_GLUON:
         return p, alpha, m_new, l_i
 
     @gluon.jit
-    def _steps(it, start, end, q_tile, k_smem, v_smem, k_ready, v_ready, empty, o, m_i, l_i, p_op, offs_m, offs_n0,
-               n_k, causal_off, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr):
+    def _scores(q_tile, qt_tile, stage, k_smem, kt_smem, zero_s, D_TAIL: gl.constexpr):
+        """Issue S = Q K^T of ring slot `stage` (the head dim's tail a second wgmma into the same accumulator)."""
+        s = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if D_TAIL > 0:
+            s = warpgroup_mma(qt_tile, kt_smem.index(stage).permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _pv(p_op, stage, v_smem, vt_smem, o, ot, D_TAIL: gl.constexpr):
+        """Issue O += P V of ring slot `stage`, for the head dim's main part and, where it has one, its tail."""
+        o = warpgroup_mma(p_op, v_smem.index(stage), o, is_async=True)
+        if D_TAIL > 0:
+            ot = warpgroup_mma(p_op, vt_smem.index(stage), ot, is_async=True)
+        return o, ot
+
+    @gluon.jit
+    def _pv_wait(o, ot, p_op, D_TAIL: gl.constexpr):
+        """Wait for every wgmma in flight (the PV matmuls last): (O, O tail, P)."""
+        if D_TAIL > 0:
+            o, ot, p_op = warpgroup_mma_wait(0, deps=[o, ot, p_op])
+        else:
+            o, p_op = warpgroup_mma_wait(0, deps=[o, p_op])
+        return o, ot, p_op
+
+    @gluon.jit
+    def _steps(it, start, end, q_tile, qt_tile, k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready, empty, o, ot,
+               m_i, l_i, p_op, offs_m, offs_n0, n_k, causal_off, qk_scale, MASKED: gl.constexpr,
+               IS_CAUSAL: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               mma_s: gl.constexpr, mma_o: gl.constexpr, mma_t: gl.constexpr):
         """Key tiles [start, end) (ring slot `it` first): issue S_j, issue O += P_{j-1} V_{j-1}, wait for S_j,
         softmax of S_j under the PV matmul, wait for it, release slot j-1, rescale O. Returns P_j for the next."""
         dtype: gl.constexpr = q_tile.dtype
+        # wgmma groups the PV matmuls leave in flight while S_j is awaited: one per head-dim part
+        PV_GROUPS: gl.constexpr = 2 if D_TAIL > 0 else 1
         zero_s = gl.zeros([_HALF_M, BLOCK_N], gl.float32, layout=mma_s)
         for start_n in range(start, end, BLOCK_N):
             stage = it % STAGES
             prev = (it - 1) % STAGES
             mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
-            s = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s = _scores(q_tile, qt_tile, stage, k_smem, kt_smem, zero_s, D_TAIL)
             mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
-            o = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)
-            s = warpgroup_mma_wait(1, deps=[s])
+            o, ot = _pv(p_op, prev, v_smem, vt_smem, o, ot, D_TAIL)
+            s = warpgroup_mma_wait(PV_GROUPS, deps=[s])
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, start_n + offs_n0, n_k, causal_off, qk_scale, MASKED,
                                           IS_CAUSAL)
-            o, p_op = warpgroup_mma_wait(0, deps=[o, p_op])
+            o, ot, p_op = _pv_wait(o, ot, p_op, D_TAIL)
             mbarrier.arrive(empty.index(prev), count=1)
             o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, mma_o)), 1)
+            if D_TAIL > 0:
+                ot = ot * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, mma_t)), 1)
             p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(0, mma_o, 2))
             it += 1
-        return it, o, m_i, l_i, p_op
+        return it, o, ot, m_i, l_i, p_op
 
     @gluon.jit
-    def _attend(it, row0, hi, q_tile, k_smem, v_smem, k_ready, v_ready, empty, n_k, causal_off, qk_scale,
-                IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                mma_s: gl.constexpr, mma_o: gl.constexpr):
+    def _attend(it, row0, hi, q_tile, qt_tile, k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready, empty, n_k,
+                causal_off, qk_scale, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr,
+                mma_t: gl.constexpr):
         """Online softmax of the 64 rows from row0 over keys [0, hi) (at least one key tile), from ring slot `it`:
-        (it after the last tile, O unnormalised, m, l)."""
+        (it after the last tile, O unnormalised (main part, tail), m, l)."""
         dtype: gl.constexpr = q_tile.dtype
         offs_m = row0 + gl.arange(0, _HALF_M, layout=gl.SliceLayout(1, mma_s))
         offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
         m_i = gl.full([_HALF_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma_s))
         l_i = gl.zeros([_HALF_M], gl.float32, layout=gl.SliceLayout(1, mma_s))
-        o = gl.zeros([_HALF_M, HEAD_DIM], gl.float32, layout=mma_o)
+        o = gl.zeros([_HALF_M, D_MAIN], gl.float32, layout=mma_o)
+        ot = gl.zeros([_HALF_M, D_TAIL if D_TAIL > 0 else 16], gl.float32, layout=mma_t)
         n_full = (n_k // BLOCK_N) * BLOCK_N  # key tiles without a ragged end
         if IS_CAUSAL:  # key tiles every row of this warpgroup sees whole: j < first row + causal_off + 1
             full_hi = gl.minimum((gl.maximum(row0 + causal_off + 1, 0) // BLOCK_N) * BLOCK_N, n_full)
@@ -182,76 +230,106 @@ if HAVE_GLUON:
         stage = it % STAGES
         mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
         zero_s = gl.zeros([_HALF_M, BLOCK_N], gl.float32, layout=mma_s)
-        s = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = _scores(q_tile, qt_tile, stage, k_smem, kt_smem, zero_s, D_TAIL)
         s = warpgroup_mma_wait(0, deps=[s])
         p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, offs_n0, n_k, causal_off, qk_scale, True, IS_CAUSAL)
         p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(0, mma_o, 2))
         it += 1
-        it, o, m_i, l_i, p_op = _steps(it, BLOCK_N, full_hi, q_tile, k_smem, v_smem, k_ready, v_ready, empty, o, m_i,
-                                       l_i, p_op, offs_m, offs_n0, n_k, causal_off, qk_scale, False, IS_CAUSAL,
-                                       BLOCK_N, STAGES, mma_s, mma_o)
-        it, o, m_i, l_i, p_op = _steps(it, gl.maximum(full_hi, BLOCK_N), hi, q_tile, k_smem, v_smem, k_ready,
-                                       v_ready, empty, o, m_i, l_i, p_op, offs_m, offs_n0, n_k, causal_off, qk_scale,
-                                       True, IS_CAUSAL, BLOCK_N, STAGES, mma_s, mma_o)
+        it, o, ot, m_i, l_i, p_op = _steps(it, BLOCK_N, full_hi, q_tile, qt_tile, k_smem, v_smem, kt_smem, vt_smem,
+                                           k_ready, v_ready, empty, o, ot, m_i, l_i, p_op, offs_m, offs_n0, n_k,
+                                           causal_off, qk_scale, False, IS_CAUSAL, D_TAIL, BLOCK_N, STAGES, mma_s,
+                                           mma_o, mma_t)
+        it, o, ot, m_i, l_i, p_op = _steps(it, gl.maximum(full_hi, BLOCK_N), hi, q_tile, qt_tile, k_smem, v_smem,
+                                           kt_smem, vt_smem, k_ready, v_ready, empty, o, ot, m_i, l_i, p_op, offs_m,
+                                           offs_n0, n_k, causal_off, qk_scale, True, IS_CAUSAL, D_TAIL, BLOCK_N,
+                                           STAGES, mma_s, mma_o, mma_t)
         # the last key tile's PV
         prev = (it - 1) % STAGES
         mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
-        o = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)
-        o, p_op = warpgroup_mma_wait(0, deps=[o, p_op])
+        o, ot = _pv(p_op, prev, v_smem, vt_smem, o, ot, D_TAIL)
+        o, ot, p_op = _pv_wait(o, ot, p_op, D_TAIL)
         mbarrier.arrive(empty.index(prev), count=1)
-        return it, o, m_i, l_i
+        return it, o, ot, m_i, l_i
 
     @gluon.jit
-    def _consumer(ROLE: gl.constexpr, O, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, n_tiles,
-                  n_heads, kv_group, stride_oz, stride_oh, stride_om, n_q, n_k, causal_off, qk_scale,
-                  IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    def _store_cols(O, x, l_safe, offs_mo, base, stride_om, n_q, COL0: gl.constexpr, WIDTH: gl.constexpr,
+                    layout: gl.constexpr):
+        """Columns COL0 ... COL0 + WIDTH of the output rows offs_mo: x / l in O's dtype (rows past n_q not
+        written)."""
+        out = x / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, layout)), 1)
+        offs_d = COL0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+        ptrs = base + gl.expand_dims(offs_mo.to(gl.int64) * stride_om, 1) + gl.expand_dims(offs_d, 0)
+        gl.store(ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(offs_mo < n_q, 1))
+
+    @gluon.jit
+    def _consumer(ROLE: gl.constexpr, O, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready, k_ready,
+                  v_ready, empty, n_tiles, n_heads, kv_group, stride_oz, stride_oh, stride_om, n_q, n_k, causal_off,
+                  qk_scale, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         """Rows ROLE * 64 ... of the program's query tile: attention over the tile's key tiles, then O and the LSE
         stored."""
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
         mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
+                                                         instr_shape=[16, D_MAIN, 16])
+        # the head dim's tail (16 columns when it has none: a placeholder the compiler removes)
+        D_T: gl.constexpr = D_TAIL if D_TAIL > 0 else 16
+        mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D_T, 16])
         row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
         row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
         q_tile = q_smem.index(ROLE)
+        qt_tile = qt_smem.index(ROLE)
         pid_zh, off_z, off_h, off_hk, start_m, hi, n_kt = _tile(gl.program_id(0), n_tiles, n_heads, kv_group, n_q,
                                                                 n_k, causal_off, IS_CAUSAL, 2 * _HALF_M, BLOCK_N)
         row0 = start_m + ROLE * _HALF_M
         mbarrier.wait(q_ready.index(ROLE), 0)
         if n_kt > 0:
-            it, o, m_i, l_i = _attend(0, row0, hi, q_tile, k_smem, v_smem, k_ready, v_ready, empty, n_k, causal_off,
-                                      qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES, mma_s, mma_o)
+            it, o, ot, m_i, l_i = _attend(0, row0, hi, q_tile, qt_tile, k_smem, v_smem, kt_smem, vt_smem, k_ready,
+                                          v_ready, empty, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL,
+                                          BLOCK_N, STAGES, mma_s, mma_o, mma_t)
         else:  # causal, n_q > n_k + the tile's rows: no key visible
             m_i = gl.full([_HALF_M], float("-inf"), gl.float32, layout=row_s)
             l_i = gl.zeros([_HALF_M], gl.float32, layout=row_s)
-            o = gl.zeros([_HALF_M, HEAD_DIM], gl.float32, layout=mma_o)
+            o = gl.zeros([_HALF_M, D_MAIN], gl.float32, layout=mma_o)
+            ot = gl.zeros([_HALF_M, D_T], gl.float32, layout=mma_t)
         # epilogue: O = acc / l (rows past n_q not written), LSE natural-log
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-        out = o / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
         offs_mo = row0 + gl.arange(0, _HALF_M, layout=row_o)
-        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma_o))
-        o_ptrs = (O + off_z.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
-                  + gl.expand_dims(offs_mo.to(gl.int64) * stride_om, 1) + gl.expand_dims(offs_d, 0))
-        gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(offs_mo < n_q, 1))
+        base = O + off_z.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
+        _store_cols(O, o, l_safe, offs_mo, base, stride_om, n_q, 0, D_MAIN, mma_o)
+        if D_TAIL > 0:
+            offs_mt = row0 + gl.arange(0, _HALF_M, layout=gl.SliceLayout(1, mma_t))
+            _store_cols(O, ot, l_safe, offs_mt, base, stride_om, n_q, D_MAIN, D_TAIL, mma_t)
         offs_m = row0 + gl.arange(0, _HALF_M, layout=row_s)
         lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
         gl.store(LSE + pid_zh.to(gl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
 
     @gluon.jit
-    def _fwd_ws_kernel(Q, K, V, O, LSE,  # Q, K, V: 4-D TMA descriptors over (Z, H, N, d); LSE (Z*H, N_q) fp32
+    def _fwd_ws_kernel(Q, K, V, Q_T, K_T, V_T, O, LSE,  # Q, K, V (and their tails Q_T, ...): 4-D TMA descriptors
                        stride_oz, stride_oh, stride_om, n_heads, kv_group, n_q, n_k, causal_off, qk_scale,
-                       IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                       IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                        PRODUCER_WARPS: gl.constexpr):
         gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
         # one query tile of 2 x 64 rows a program, in head-major order (launch._grid), heavy causal tiles first
         n_tiles = gl.cdiv(n_q, 2 * _HALF_M)
         dtype: gl.constexpr = O.dtype.element_ty
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HALF_M, HEAD_DIM], dtype)
-        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        q_smem = gl.allocate_shared_memory(dtype, [2, _HALF_M, HEAD_DIM], q_layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HALF_M, D_MAIN], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_MAIN], dtype)
+        q_smem = gl.allocate_shared_memory(dtype, [2, _HALF_M, D_MAIN], q_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_MAIN], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_MAIN], kv_layout)
+        if D_TAIL > 0:  # the head dim's tail columns, in buffers of their own width
+            qt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HALF_M, D_TAIL], dtype)
+            kvt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_TAIL], dtype)
+            qt_smem = gl.allocate_shared_memory(dtype, [2, _HALF_M, D_TAIL], qt_layout)
+            kt_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_TAIL], kvt_layout)
+            vt_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_TAIL], kvt_layout)
+        else:  # never read
+            qt_smem = q_smem
+            kt_smem = k_smem
+            vt_smem = v_smem
         q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -265,14 +343,15 @@ if HAVE_GLUON:
         fence_async_shared()
         # (the argument tuples are spelled out: a tuple built in Gluon code drops its constexprs)
         gl.warp_specialize([
-            (_consumer, (0, O, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, n_tiles, n_heads,
-                         kv_group, stride_oz, stride_oh, stride_om, n_q, n_k, causal_off, qk_scale, IS_CAUSAL,
-                         HEAD_DIM, BLOCK_N, STAGES)),
-            (_consumer, (1, O, LSE, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, n_tiles, n_heads,
-                         kv_group, stride_oz, stride_oh, stride_om, n_q, n_k, causal_off, qk_scale, IS_CAUSAL,
-                         HEAD_DIM, BLOCK_N, STAGES)),
-            (_producer, (Q, K, V, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, empty, n_tiles, n_heads,
-                         kv_group, n_q, n_k, causal_off, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES)),
+            (_consumer, (0, O, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready, k_ready, v_ready,
+                         empty, n_tiles, n_heads, kv_group, stride_oz, stride_oh, stride_om, n_q, n_k, causal_off,
+                         qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES)),
+            (_consumer, (1, O, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready, k_ready, v_ready,
+                         empty, n_tiles, n_heads, kv_group, stride_oz, stride_oh, stride_om, n_q, n_k, causal_off,
+                         qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES)),
+            (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
+                         k_ready, v_ready, empty, n_tiles, n_heads, kv_group, n_q, n_k, causal_off, IS_CAUSAL,
+                         D_MAIN, D_TAIL, BLOCK_N, STAGES)),
         ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -306,10 +385,14 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causa
     4-D (Z, H, N, d) q, k, v (k, v: H / kv_group heads), where `fwd_applies`."""
     z, h, n_q, d = q.shape
     n_k = k.shape[2]
+    d_main, d_tail = common._TILE_D[d]
     block_n, stages = FWD_TILES[d]
     causal_off = n_k - n_q if is_causal else 0
+    boxes = ((q, HALF_M), (k, block_n), (v, block_n))  # (tensor, rows a load takes)
+    descs = [_host_desc(t[..., :d_main] if d_tail else t, rows) for t, rows in boxes]
+    # the tail columns' descriptors (without a tail: the main ones again, never read)
+    tails = [_host_desc(t[..., d_main:], rows) for t, rows in boxes] if d_tail else descs
     _fwd_ws_kernel[(z * h * _cdiv(n_q, BLOCK_M),)](
-        _host_desc(q, HALF_M), _host_desc(k, block_n), _host_desc(v, block_n), o, lse, *o.stride()[:3], h,
-        h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E, IS_CAUSAL=is_causal, HEAD_DIM=d, BLOCK_N=block_n,
-        STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PRODUCER_WARPS=PRODUCER_WARPS,
-        num_warps=4)
+        *descs, *tails, o, lse, *o.stride()[:3], h, h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E,
+        IS_CAUSAL=is_causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, STAGES=stages,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PRODUCER_WARPS=PRODUCER_WARPS, num_warps=4)
