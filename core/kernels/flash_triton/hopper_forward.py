@@ -21,10 +21,12 @@ ones in every program cost 20-25% at S = 512), so views such as q, k, v sliced f
 place.
 
 Head dims that are no power of two are tiled as a power-of-two main part and a tail (`common._TILE_D`: 80 = 64 +
-16, 96 = 64 + 32), not padded: register and shared-memory tiles must be powers of two, and a 128-wide tile would do
-1.6x / 1.33x the matmul work. Each part has its own TMA descriptors (the tail's over the columns from 64 on) and
-shared-memory buffers; S = Q K^T is two wgmmas into one accumulator, and O += P V one per part, the tail's
-accumulator beside the main one. At d = 128 (no tail) the tail's code is compiled out.
+16, 96 = 64 + 32; register and shared-memory tiles must be powers of two). Each part has its own TMA descriptors
+(the tail's over the columns from 64 on) and shared-memory buffers; S = Q K^T is two wgmmas into one accumulator,
+and O += P V one per part, the tail's accumulator beside the main one. At d = 128 (no tail) the tail's code is
+compiled out. The narrow tail wgmmas cost about what the columns they skip save: at d = 96 the kernel takes about
+as long as at 128 (so zero-padding to 128, not measured, might run level with it); it beats the Triton forward
+only on long rows (`FlashConfig.hopper_fwd_min_rows_tail`).
 
 Causal masks are bottom-right aligned (query i sees keys j <= i + n_k - n_q); each consumer masks only its
 diagonal and ragged-end tiles (and the first, peeled off the pipelined loop). Grouped-query attention: query head
@@ -56,8 +58,8 @@ try:
 except ImportError:  # a Triton without Gluon (or without its Hopper ops)
     HAVE_GLUON = False
 
-# where it is faster than the Triton forward on the H100 (docs/attention.md): head dims 80, 96 and 128; at 64 the
-# Triton kernel's 64-row tiles win (the exponentials, not the matmuls, bound it there)
+# where it is faster than the Triton forward on the H100 (docs/attention.md): head dim 128, and 80 and 96 on long
+# rows; at 64 the Triton kernel's 64-row tiles win (the exponentials, not the matmuls, bound it there)
 HEAD_DIMS = (80, 96, 128)
 # query rows per program: two consumer warpgroups of HALF_M rows
 BLOCK_M, HALF_M = 128, 64
