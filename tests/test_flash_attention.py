@@ -754,28 +754,37 @@ def test_gpu_direct_launches_repeat_exactly(seq, monkeypatch):
 
 
 # ------------------------------------------------------------------ the warp-specialised Gluon backward (Hopper)
-_GLUON_COMPILE = """
-import sys
+# what every Gluon compile script starts with (`compile_in_child`): compile_sm90(kernel, constexprs, types) compiles
+# for sm_90a, its arguments typed as named in `types`, else upper-case ones as bf16 pointers and lower-case ones as
+# scalars (fp32 for the scales, i32 else)
+_SM90_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
+
+
+def compile_sm90(jf, constexprs, types):
+    sig = {}
+    for name in jf.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in types:
+            sig[name] = types[name]
+        elif name.isupper():
+            sig[name] = "*bf16"
+        else:
+            sig[name] = "fp32" if name.endswith("scale") else "i32"
+    return triton.compile(GluonASTSource(fn=jf, signature=sig, constexprs=constexprs),
+                          target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
+"""
+
+_GLUON_COMPILE = """
+import sys
 from core.kernels.flash_triton import hopper as fg
-jf = fg._bwd_ws_kernel
 head_dim = int(sys.argv[1])
 assert head_dim in fg.HEAD_DIMS
 constexprs = dict(IS_CAUSAL=True, HEAD_DIM=head_dim, **fg.ws_constexprs(head_dim))
-sig = {}
-for name in jf.arg_names:
-    if name in constexprs:
-        sig[name] = "constexpr"
-    elif name in ("STATS", "DQ_ACC"):
-        sig[name] = "*fp32"
-    elif name.isupper():
-        sig[name] = "*bf16"
-    else:
-        sig[name] = "fp32" if name.endswith("scale") else "i32"
-kernel = triton.compile(GluonASTSource(fn=jf, signature=sig, constexprs=constexprs),
-                        target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
+kernel = compile_sm90(fg._bwd_ws_kernel, constexprs, {"STATS": "*fp32", "DQ_ACC": "*fp32"})
 ptx = kernel.asm["ptx"]
 assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and kernel.asm["cubin"]
 # dQ parts added with bulk tensor reductions, from two warpgroups (8 warps), within Hopper's 227 KB per program
@@ -786,15 +795,15 @@ print("compiled")
 
 
 def compile_in_child(script: str, *args: str) -> None:
-    """Run a Gluon compile script in a child process without TRITON_INTERPRET (this process's Triton may run
-    kernels under the interpreter, which does not compile); it must print "compiled"."""
+    """Run a Gluon compile script (after `_SM90_COMPILE`) in a child process without TRITON_INTERPRET (this
+    process's Triton may run kernels under the interpreter, which does not compile); it must print "compiled"."""
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=root, capture_output=True, text=True,
-                         timeout=300)
+    res = subprocess.run([sys.executable, "-c", _SM90_COMPILE + script, *args], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
 
 
@@ -808,6 +817,13 @@ def test_gluon_ws_compiles_for_sm90(head_dim):
     compile_in_child(_GLUON_COMPILE, str(head_dim))
 
 
+def _pretend_compiled_hopper(monkeypatch) -> None:
+    """Make the Gluon kernels' host checks see compiled CUDA (no interpreter) on an sm_90 device."""
+    monkeypatch.setattr(ftc, "INTERPRET", False)
+    monkeypatch.setattr(ftl, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda", 0)))
+
+
 def test_gluon_ws_only_where_it_applies(monkeypatch):
     """The warp-specialised backward is on by default (`hopper_ws`), and does not run for fp32, other head dims,
     odd N_q, unaligned rows, other GPUs or under the interpreter."""
@@ -815,9 +831,7 @@ def test_gluon_ws_only_where_it_applies(monkeypatch):
     if not hopper.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
     x = torch.zeros(1, 1, 64, 64, dtype=torch.bfloat16)
-    monkeypatch.setattr(ftc, "INTERPRET", False)
-    monkeypatch.setattr(ftl, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda", 0)))
+    _pretend_compiled_hopper(monkeypatch)
     assert ftd._ws_ok(x, x, 64) and not ftd._ws_ok(x, x, 64, FlashConfig(hopper_ws=False))
     assert not ftd._ws_ok(x.float(), x.float(), 64)
     assert not ftd._ws_ok(x[..., :32], x[..., :32], 32)
@@ -1040,12 +1054,8 @@ def test_config_overrides():
 # ------------------------------------------------------------------ the warp-specialised Gluon forward (Hopper)
 _GLUON_FWD_COMPILE = """
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 from core.kernels.flash_triton import common, hopper_forward as hf
-jf = hf._fwd_ws_kernel
 for d in hf.HEAD_DIMS:
     d_main, d_tail = common._TILE_D[d]
     for causal in (True, False):
@@ -1053,22 +1063,12 @@ for d in hf.HEAD_DIMS:
         constexprs = dict(IS_CAUSAL=causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, STAGES=stages,
                           CONSUMER_REGS=hf.CONSUMER_REGS, PRODUCER_REGS=hf.PRODUCER_REGS,
                           PRODUCER_WARPS=hf.PRODUCER_WARPS)
-        sig = {}
-        for name in jf.arg_names:
-            if name in constexprs:
-                sig[name] = "constexpr"
-            elif name == "LSE":
-                sig[name] = "*fp32"
-            elif name in ("Q", "K", "V", "Q_T", "K_T", "V_T"):  # 4-D TMA descriptors made on the host
-                rows = hf.HALF_M if name[0] == "Q" else block_n
-                width = d_tail if name.endswith("_T") and d_tail else d_main
-                sig[name] = mangle_type(hf._host_desc(torch.empty(1, 1, rows, width, dtype=torch.bfloat16), rows))
-            elif name.isupper():
-                sig[name] = "*bf16"
-            else:
-                sig[name] = "fp32" if name.endswith("scale") else "i32"
-        kernel = triton.compile(GluonASTSource(fn=jf, signature=sig, constexprs=constexprs),
-                                target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
+        types = {"LSE": "*fp32"}
+        for name in ("Q", "K", "V", "Q_T", "K_T", "V_T"):  # 4-D TMA descriptors made on the host
+            rows = hf.HALF_M if name[0] == "Q" else block_n
+            width = d_tail if name.endswith("_T") and d_tail else d_main
+            types[name] = mangle_type(hf._host_desc(torch.empty(1, 1, rows, width, dtype=torch.bfloat16), rows))
+        kernel = compile_sm90(hf._fwd_ws_kernel, constexprs, types)
         ptx = kernel.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and kernel.asm["cubin"]
         # the head dim's tail: its own wgmmas (N = the tail's width for O += P V)
@@ -1096,9 +1096,7 @@ def test_gluon_fwd_only_where_it_applies(monkeypatch):
     if not hopper_forward.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
     x = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
-    monkeypatch.setattr(ftc, "INTERPRET", False)
-    monkeypatch.setattr(ftl, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda", 0)))
+    _pretend_compiled_hopper(monkeypatch)
     assert ftd._hopper_fwd_ok(x, x, x, FlashConfig())
     assert not ftd._hopper_fwd_ok(x, x, x, FlashConfig(hopper_fwd=False))
     assert ftd._hopper_fwd_ok(x.half(), x.half(), x.half(), FlashConfig())
