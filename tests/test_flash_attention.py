@@ -1059,9 +1059,9 @@ from core.kernels.flash_triton import common, hopper_forward as hf
 for d in hf.HEAD_DIMS:
     d_main, d_tail = common._TILE_D[d]
     for causal in (True, False):
-        block_n, stages = hf.FWD_TILES[d]
+        block_n, stages, q_bufs = hf.FWD_TILES[d]
         constexprs = dict(IS_CAUSAL=causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, STAGES=stages,
-                          CONSUMER_REGS=hf.CONSUMER_REGS, PRODUCER_REGS=hf.PRODUCER_REGS,
+                          Q_BUFS=q_bufs, CONSUMER_REGS=hf.CONSUMER_REGS, PRODUCER_REGS=hf.PRODUCER_REGS,
                           PRODUCER_WARPS=hf.PRODUCER_WARPS)
         types = {"LSE": "*fp32"}
         for name in ("Q", "K", "V", "Q_T", "K_T", "V_T"):  # 4-D TMA descriptors made on the host
@@ -1119,10 +1119,9 @@ def test_gluon_fwd_only_where_it_applies(monkeypatch):
 
 
 def test_forward_policy_takes_gluon_from_min_rows(monkeypatch):
-    """The forward runs the Gluon kernel where it applies from `hopper_fwd_min_rows` query rows on
-    (`hopper_fwd_min_rows_tail` for head dims tiled as a part and a tail, 80 here), unless the split-KV forward
-    splits the call or `tiles.fwd` pins the Triton kernel; elsewhere the Triton kernels (their output against
-    float64 here)."""
+    """The forward runs the Gluon kernel where it applies from `hopper_fwd_min_rows` query rows on (at every head
+    dim it takes, 80 = 64 + 16 here), unless the split-KV forward splits the call or `tiles.fwd` pins the Triton
+    kernel; elsewhere the Triton kernels (their output against float64 here)."""
     from core.kernels.flash_triton import hopper_forward
     launched = []
 
@@ -1134,9 +1133,9 @@ def test_forward_policy_takes_gluon_from_min_rows(monkeypatch):
 
     monkeypatch.setattr(ftd, "_hopper_fwd_ok", lambda q, k, v, cfg: cfg.hopper_fwd)
     monkeypatch.setattr(hopper_forward, "launch_fwd", fake_launch)
-    cfg = FlashConfig(hopper_fwd_min_rows=64, hopper_fwd_min_rows_tail=96)
+    cfg = FlashConfig(hopper_fwd_min_rows=64)
     cases = [(64, 32, cfg, [64]), (32, 32, cfg, []),            # from hopper_fwd_min_rows rows on
-             (64, 80, cfg, []), (96, 80, cfg, [96]),            # 80 = 64 + 16: from hopper_fwd_min_rows_tail
+             (64, 80, cfg, [64]), (32, 80, cfg, []),            # 80 = 64 + 16 alike
              (64, 32, cfg.replace(split_keys=16), []),          # a split-KV call stays split
              (64, 32, cfg.replace(hopper_fwd=False), []),
              (64, 32, cfg.replace(tiles={"fwd": (32, 16, 4, 1)}), [])]  # pinned tiles: the Triton forward
@@ -1162,6 +1161,11 @@ def test_forward_policy_takes_gluon_from_min_rows(monkeypatch):
     ((2, 8, 300, 96), 431, False, torch.bfloat16, 2),
     ((2, 3, 258, 80), 258, True, torch.bfloat16, 3),     # d = 80 = 64 + 16
     ((1, 4, 515, 80), 515, False, torch.float16, 1),
+    # more pairs of query tiles than SMs: each persistent program walks several, through both Q buffers
+    ((4, 16, 1000, 128), 1000, True, torch.bfloat16, 4),
+    ((4, 16, 900, 96), 900, True, torch.float16, 16),
+    ((2, 32, 640, 80), 640, False, torch.bfloat16, 8),   # five query tiles a head: the middle one unpaired
+    ((5, 15, 512, 96), 512, True, torch.float16, 5),     # 150 pairs: a round of pairs, then a tile a program
 ])
 def test_gpu_gluon_fwd_matches(shape_q, n_k, causal, dtype, kv_heads, monkeypatch):
     """The warp-specialised Gluon forward (`hopper_fwd_min_rows: 0`, so short rows take it too): output and
@@ -1174,7 +1178,7 @@ def test_gpu_gluon_fwd_matches(shape_q, n_k, causal, dtype, kv_heads, monkeypatc
     b, h, n_q, d = shape_q
     q = torch.randn(b, h, n_q, d, device="cuda", dtype=dtype, requires_grad=True)
     k, v = (torch.randn(b, kv_heads, n_k, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
-    cfg = FlashConfig(hopper_fwd_min_rows=0, hopper_fwd_min_rows_tail=0)
+    cfg = FlashConfig(hopper_fwd_min_rows=0)
     assert ftd._hopper_fwd_ok(q, k, v, cfg)
     out, lse = flash_attention_with_lse(q, k, v, causal, cfg)
     kr, vr = (x.detach().double().repeat_interleave(h // kv_heads, dim=1) for x in (k, v))
@@ -1199,9 +1203,7 @@ def test_gpu_gluon_fwd_on_fused_projection_views(d, monkeypatch):
     launches = _count_calls(monkeypatch, hopper_forward, "launch_fwd")
     torch.manual_seed(16)
     q, k, v = fused_qkv_views(2, 2048, 4, 4, d, torch.bfloat16, (True, True, True))
-    # (2048 rows: under the default policy only d = 128 takes the Gluon forward there)
-    cfg = FlashConfig(hopper_fwd_min_rows_tail=0)
-    check_against_reference(triton_with(cfg), q, k, v, True, TOL[torch.bfloat16])
+    check_against_reference(triton_with(FlashConfig()), q, k, v, True, TOL[torch.bfloat16])  # 2048 rows: Gluon
     assert launches == [1]
 
 

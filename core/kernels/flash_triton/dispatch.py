@@ -131,8 +131,7 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
     block_d, tail_d = _TILE_D[d]
     split_len = _fwd_split_len(q.device, z * h, n_q, n_k, bm, bn, cfg) if block_d + tail_d <= 128 else 0
     # the Gluon forward on Hopper (`hopper_forward`), unless tiles pin the Triton one or the call is split
-    min_rows = cfg.hopper_fwd_min_rows_tail if tail_d else cfg.hopper_fwd_min_rows
-    if not split_len and pinned is None and n_q >= min_rows and _hopper_fwd_ok(q, k, v, cfg):
+    if not split_len and pinned is None and n_q >= cfg.hopper_fwd_min_rows and _hopper_fwd_ok(q, k, v, cfg):
         from core.kernels.flash_triton import hopper_forward
         hopper_forward.launch_fwd(q, k, v, o, lse, is_causal, 1.0 / math.sqrt(d))
         return o, lse

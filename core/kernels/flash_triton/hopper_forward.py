@@ -1,14 +1,17 @@
 """Hopper-specific (sm_90) FlashAttention forward in Gluon, warp-specialised in the manner of FlashAttention-3,
-and the host code that decides where it applies and launches it.
+persistent, and the host code that decides where it applies and launches it.
 
 Triton places a wait right after each asynchronous wgmma it issues, so its forward (`forward._fwd_kernel`)
 cannot overlap the softmax of one key tile with the matmuls of another. Gluon places the waits where the results
-are needed. A program takes a tile of 128 query rows of one (batch, head) in three partitions
-(`gl.warp_specialize`):
+are needed. A program stays on its SM (one per SM: shared memory holds no second) and walks query tiles of 128
+rows of one (batch, head) each, in three partitions (`gl.warp_specialize`):
 
-- a producer warpgroup issues the TMA loads: the tile's two 64-row Q blocks, and each key tile's K and V into a
-  ring of `STAGES` shared-memory slots (a ready mbarrier for K and one for V per slot, and an empty one that the
-  consumers release);
+- a producer warpgroup issues the TMA loads: the tile's two 64-row Q blocks into one of `Q_BUFS` buffers once
+  the consumers have done their last Q K^T with it (a ready and an empty mbarrier each), and each key tile's K
+  and V into a ring of `STAGES` shared-memory slots (a ready mbarrier for K and one for V per slot, and an empty
+  one that the consumers release). The ring runs on across query tiles, so the next tile's first loads overlap
+  this tile's last matmuls and its epilogue (which a program-per-tile launch exposes on every tile: 1.07-1.14x
+  the time at 2048 rows);
 - two consumer warpgroups, 64 query rows each, with their own online-softmax state (base 2, log2(e) folded into
   the scale) and fp32 output accumulator in registers. Per key tile j a consumer issues S_j = Q K_j^T, then
   O += P_{j-1} V_{j-1} (P in registers as the wgmma A operand), waits for S_j only, computes the softmax of S_j
@@ -25,19 +28,20 @@ Head dims that are no power of two are tiled as a power-of-two main part and a t
 (the tail's over the columns from 64 on) and shared-memory buffers; S = Q K^T is two wgmmas into one accumulator,
 and O += P V one per part, the tail's accumulator beside the main one. At d = 128 (no tail) the tail's code is
 compiled out. The narrow tail wgmmas cost about what the columns they skip save: at d = 96 the kernel takes about
-as long as at 128 (so zero-padding to 128, not measured, might run level with it); it beats the Triton forward
-only on long rows (`FlashConfig.hopper_fwd_min_rows_tail`).
+as long as at 128 (so zero-padding to 128, not measured, might run level with it).
 
 Causal masks are bottom-right aligned (query i sees keys j <= i + n_k - n_q); each consumer masks only its
 diagonal and ragged-end tiles (and the first, peeled off the pipelined loop). Grouped-query attention: query head
-h reads KV head h // kv_group. Tiles are ordered head-major, each head's heavy causal tiles first, as for
-`forward._fwd_kernel`. Outputs: O in its dtype at its strides, and the natural-log logsumexp (fp32, (Z*H, N_q);
+h reads KV head h // kv_group. Schedule (`_tile`): work units are pairs of one head's query tiles, the r-th from
+the end with the r-th from the start, so under a causal mask every unit has the same number of key tiles, and
+program p takes units p, p + grid, ... (head-major: the programs at work at one time share few heads' K and V in
+L2). Outputs: O in its dtype at its strides, and the natural-log logsumexp (fp32, (Z*H, N_q);
 -inf and output 0 for a row that sees no key).
 
 Scope (`fwd_applies`): compiled CUDA on sm_90, fp16 / bf16, head dims 80, 96 and 128 (`HEAD_DIMS`), unit last
 strides and 16-byte aligned bases and (batch, head, row) strides of Q, K and V (TMA). Everything else runs the
 Triton kernels; `dispatch.flash_fwd_impl` takes this one from `FlashConfig.hopper_fwd_min_rows` query rows on
-(`hopper_fwd_min_rows_tail` at d = 80 and 96).
+(below, the Triton forward's smaller tiles win).
 """
 from __future__ import annotations
 
@@ -58,35 +62,66 @@ try:
 except ImportError:  # a Triton without Gluon (or without its Hopper ops)
     HAVE_GLUON = False
 
-# where it is faster than the Triton forward on the H100 (docs/attention.md): head dim 128, and 80 and 96 on long
-# rows; at 64 the Triton kernel's 64-row tiles win (the exponentials, not the matmuls, bound it there)
+# where it is faster than the Triton forward from 2048 rows (docs/attention.md); at 64 the Triton kernel's 64-row
+# tiles win (the exponentials, not the matmuls, bound it there)
 HEAD_DIMS = (80, 96, 128)
 # query rows per program: two consumer warpgroups of HALF_M rows
 BLOCK_M, HALF_M = 128, 64
-# (BLOCK_N keys per tile, STAGES of the K/V ring) per head dim, within the 227 KB of shared memory a program may
-# have: d = 128, Q 32 KB + 3 x (K + V) 64 KB = 224 KB; d = 96, 24 + 4 x 48 = 216 KB; d = 80, 20 + 4 x 40 = 180 KB
-FWD_TILES = {80: (128, 4), 96: (128, 4), 128: (128, 3)}
-# setmaxnreg: consumers 240 registers a thread, the producer 24 (2 x 128 x 240 + 128 x 24 <= 64 K)
-CONSUMER_REGS, PRODUCER_REGS = 240, 24
+# (BLOCK_N keys per tile, STAGES of the K/V ring, Q_BUFS query-tile buffers) per head dim, the fastest measured
+# within the 227 KB of shared memory a program may have: d = 128, Q 32 KB + 3 x (K + V) 64 KB = 224 KB; d = 96,
+# 2 x 24 + 3 x 48 = 192 KB; d = 80, 20 + 4 x 40 = 180 KB
+FWD_TILES = {80: (128, 4, 1), 96: (128, 3, 2), 128: (128, 3, 1)}
+# setmaxnreg: consumers 240 registers a thread, the producer 32 (2 x 128 x 240 + 128 x 32 = 64 K; with 24 its tile
+# arithmetic spills)
+CONSUMER_REGS, PRODUCER_REGS = 240, 32
 PRODUCER_WARPS = 4
 
 if HAVE_GLUON:
     _HALF_M = gl.constexpr(HALF_M)
 
     @gluon.jit
-    def _tile(tile, n_tiles, n_heads, kv_group, n_q, n_k, causal_off, IS_CAUSAL: gl.constexpr, BM: gl.constexpr,
-              BLOCK_N: gl.constexpr):
-        """Query tile `tile` of the head-major order (each head's heavy causal tiles, the last queries, first):
-        (batch x head, batch, head, KV head, first row, key bound, key tiles)."""
-        pid_zh = tile // n_tiles
-        start_m = (n_tiles - 1 - tile % n_tiles) * BM
+    def _rounds(n_units):
+        """The schedule's (rounds of pairs, tiles after them) (`_tile`): the units left over from full rounds go
+        a tile a program where they fit in one round, else as one more round of pairs."""
+        n_prog = gl.num_programs(0)
+        full = n_units // n_prog
+        n_rounds = gl.where(2 * (n_units - full * n_prog) <= n_prog, full, full + 1)
+        return n_rounds, 2 * gl.maximum(n_units - n_rounds * n_prog, 0)
+
+    @gluon.jit
+    def _walk_len(n_units):
+        """How many tiles the program walks (`_tile`): two a round of pairs, then its one of the tiles after."""
+        n_rounds, n_after = _rounds(n_units)
+        return 2 * n_rounds + (gl.program_id(0) < n_after).to(gl.int32)
+
+    @gluon.jit
+    def _tile(k, n_units, n_pairs, n_tiles, n_heads, kv_group, n_k, causal_off, IS_CAUSAL: gl.constexpr,
+              BM: gl.constexpr, BLOCK_N: gl.constexpr):
+        """The program's k-th query tile: (whether it exists, batch x head, batch, head, KV head, first row, key
+        bound, key tiles). Work units, head-major, are pairs of one head's query tiles, the r-th from the end and
+        the r-th from the start: under a causal mask a pair's key tiles add up to the same count for every r, so
+        programs that take units program, program + programs, ... in rounds get equal work. Units left over from
+        the full rounds go a tile a program where they fit (the last head's middle pairs, when fewer than a head's
+        pairs are left: tiles about half as heavy as a pair), else as a last, partial round of pairs. An odd tile
+        count leaves the middle tile unpaired (its pair's second tile does not exist)."""
+        n_prog = gl.num_programs(0)
+        n_rounds, n_after = _rounds(n_units)
+        in_rounds = (k < 2 * n_rounds).to(gl.int32)
+        after = gl.program_id(0) + n_rounds * n_prog * 2  # the program's tile after the rounds, as a pair's half
+        u = in_rounds * (gl.program_id(0) + (k // 2) * n_prog) + (1 - in_rounds) * (after // 2)
+        second = in_rounds * (k % 2) + (1 - in_rounds) * (after % 2)  # the pair's second, lighter tile
+        pid_zh = u // n_pairs
+        p = u % n_pairs
+        r = p + second * (n_tiles - 1 - 2 * p)  # query tiles from the end: the heavy one first
+        start_m = (n_tiles - 1 - r) * BM
         off_z = pid_zh // n_heads
         off_h = pid_zh % n_heads
         if IS_CAUSAL:  # keys the tile's last row sees: j < start_m + BM + causal_off
             hi = gl.minimum(gl.maximum(start_m + BM + causal_off, 0), n_k)
         else:
             hi = n_k
-        return pid_zh, off_z, off_h, off_h // kv_group, start_m, hi, gl.cdiv(hi, BLOCK_N)
+        exists = (u < n_units) & ((second == 0) | (r > p))
+        return exists, pid_zh, off_z, off_h, off_h // kv_group, start_m, hi, gl.cdiv(hi, BLOCK_N)
 
     @gluon.jit
     def _tile_load(desc, tail_desc, z, h, row, bar, dst, tail_dst, D_TAIL: gl.constexpr):
@@ -98,41 +133,52 @@ if HAVE_GLUON:
             _tma_load(tail_desc, [z, h, row, 0], bar, tail_dst.reshape([1, 1, tail_dst.shape[0], tail_dst.shape[1]]))
 
     @gluon.jit
-    def _load_kv(i, k_desc, v_desc, kt_desc, vt_desc, k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready, empty, z,
-                 h, kv_bytes: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D_TAIL: gl.constexpr):
-        """K_i and V_i into ring slot i % STAGES once both consumers released the tile before in it (a fresh
-        mbarrier passes the wait on phase 1)."""
-        stage = i % STAGES
-        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+    def _load_kv(it, row, k_desc, v_desc, kt_desc, vt_desc, k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready,
+                 empty, z, h, kv_bytes: gl.constexpr, STAGES: gl.constexpr, D_TAIL: gl.constexpr):
+        """The key tile from row `row` of K and V into ring slot it % STAGES (`it` counts the program's key tiles
+        over all its query tiles) once both consumers released the tile before in it (a fresh mbarrier passes
+        the wait on phase 1)."""
+        stage = it % STAGES
+        mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(stage), kv_bytes)
-        _tile_load(k_desc, kt_desc, z, h, i * BLOCK_N, k_ready.index(stage), k_smem.index(stage),
-                   kt_smem.index(stage), D_TAIL)
+        _tile_load(k_desc, kt_desc, z, h, row, k_ready.index(stage), k_smem.index(stage), kt_smem.index(stage),
+                   D_TAIL)
         mbarrier.expect(v_ready.index(stage), kv_bytes)
-        _tile_load(v_desc, vt_desc, z, h, i * BLOCK_N, v_ready.index(stage), v_smem.index(stage),
-                   vt_smem.index(stage), D_TAIL)
+        _tile_load(v_desc, vt_desc, z, h, row, v_ready.index(stage), v_smem.index(stage), vt_smem.index(stage),
+                   D_TAIL)
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
-                  vt_smem, q_ready, k_ready, v_ready, empty, n_tiles, n_heads, kv_group, n_q, n_k, causal_off,
-                  IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr):
-        """TMA loads of the program's query tile: K_0 / V_0 and the consumers' two Q blocks, then K_i / V_i of the
-        other key tiles through the ring. Rows past a head's end read as zeros."""
+                  vt_smem, q_ready, q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_heads, kv_group,
+                  n_q, n_k, causal_off, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr):
+        """TMA loads of the program's query tiles one after the other: a tile's K_0 / V_0, its two Q blocks once
+        the consumers are done with the Q buffer (Q_BUFS of them in turn), then K_i / V_i of its other key tiles
+        through the ring. So the next tile's loads run while the consumers finish this one. Rows past a head's
+        end read as zeros."""
         elem: gl.constexpr = q_smem.dtype.primitive_bitwidth // 8
         q_bytes: gl.constexpr = _HALF_M * (D_MAIN + D_TAIL) * elem
         kv_bytes: gl.constexpr = BLOCK_N * (D_MAIN + D_TAIL) * elem
-        pid_zh, z, h, hk, start_m, hi, n_kt = _tile(gl.program_id(0), n_tiles, n_heads, kv_group, n_q, n_k,
-                                                    causal_off, IS_CAUSAL, 2 * _HALF_M, BLOCK_N)
-        if n_kt > 0:
-            _load_kv(0, k_desc, v_desc, kt_desc, vt_desc, k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready, empty,
-                     z, hk, kv_bytes, BLOCK_N, STAGES, D_TAIL)
-        for c in gl.static_range(2):
-            mbarrier.expect(q_ready.index(c), q_bytes)
-            _tile_load(q_desc, qt_desc, z, h, start_m + c * _HALF_M, q_ready.index(c), q_smem.index(c),
-                       qt_smem.index(c), D_TAIL)
-        for i in range(1, n_kt):
-            _load_kv(i, k_desc, v_desc, kt_desc, vt_desc, k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready, empty,
-                     z, hk, kv_bytes, BLOCK_N, STAGES, D_TAIL)
+        it = 0  # key tiles loaded
+        n_done = 0  # query tiles loaded
+        for k in range(0, _walk_len(n_units)):
+            exists, pid_zh, z, h, hk, start_m, hi, n_kt = _tile(k, n_units, n_pairs, n_tiles, n_heads, kv_group,
+                                                                n_k, causal_off, IS_CAUSAL, 2 * _HALF_M, BLOCK_N)
+            if exists:
+                if n_kt > 0:
+                    _load_kv(it, 0, k_desc, v_desc, kt_desc, vt_desc, k_smem, v_smem, kt_smem, vt_smem, k_ready,
+                             v_ready, empty, z, hk, kv_bytes, STAGES, D_TAIL)
+                qb = (n_done % Q_BUFS) * 2
+                for c in gl.static_range(2):
+                    mbarrier.wait(q_empty.index(qb + c), ((n_done // Q_BUFS) & 1) ^ 1)
+                    mbarrier.expect(q_ready.index(qb + c), q_bytes)
+                    _tile_load(q_desc, qt_desc, z, h, start_m + c * _HALF_M, q_ready.index(qb + c),
+                               q_smem.index(qb + c), qt_smem.index(qb + c), D_TAIL)
+                for i in range(1, n_kt):
+                    _load_kv(it + i, i * BLOCK_N, k_desc, v_desc, kt_desc, vt_desc, k_smem, v_smem, kt_smem,
+                             vt_smem, k_ready, v_ready, empty, z, hk, kv_bytes, STAGES, D_TAIL)
+                it += n_kt
+                n_done += 1
 
     @gluon.jit
     def _softmax(s, m_i, l_i, offs_m, offs_n, n_k, causal_off, qk_scale, MASKED: gl.constexpr,
@@ -210,12 +256,13 @@ if HAVE_GLUON:
         return it, o, ot, m_i, l_i, p_op
 
     @gluon.jit
-    def _attend(it, row0, hi, q_tile, qt_tile, k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready, empty, n_k,
-                causal_off, qk_scale, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
+    def _attend(it, row0, hi, q_tile, qt_tile, q_empty, k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready, empty,
+                n_k, causal_off, qk_scale, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr,
                 mma_t: gl.constexpr):
-        """Online softmax of the 64 rows from row0 over keys [0, hi) (at least one key tile), from ring slot `it`:
-        (it after the last tile, O unnormalised (main part, tail), m, l)."""
+        """Online softmax of the 64 rows from row0 over keys [0, hi) (at least one key tile), from ring slot `it`,
+        releasing the Q block (q_empty) once the last S = Q K^T is done: (it after the last tile, O unnormalised
+        (main part, tail), m, l)."""
         dtype: gl.constexpr = q_tile.dtype
         offs_m = row0 + gl.arange(0, _HALF_M, layout=gl.SliceLayout(1, mma_s))
         offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
@@ -245,6 +292,7 @@ if HAVE_GLUON:
                                            kt_smem, vt_smem, k_ready, v_ready, empty, o, ot, m_i, l_i, p_op, offs_m,
                                            offs_n0, n_k, causal_off, qk_scale, True, IS_CAUSAL, D_TAIL, BLOCK_N,
                                            STAGES, mma_s, mma_o, mma_t)
+        mbarrier.arrive(q_empty, count=1)  # the producer may load the next tile's Q while the last PV runs
         # the last key tile's PV
         prev = (it - 1) % STAGES
         mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
@@ -264,12 +312,12 @@ if HAVE_GLUON:
         gl.store(ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(offs_mo < n_q, 1))
 
     @gluon.jit
-    def _consumer(ROLE: gl.constexpr, O, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready, k_ready,
-                  v_ready, empty, n_tiles, n_heads, kv_group, stride_oz, stride_oh, stride_om, n_q, n_k, causal_off,
-                  qk_scale, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """Rows ROLE * 64 ... of the program's query tile: attention over the tile's key tiles, then O and the LSE
-        stored."""
+    def _consumer(ROLE: gl.constexpr, O, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready, q_empty,
+                  k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_heads, kv_group, stride_oz, stride_oh,
+                  stride_om, n_q, n_k, causal_off, qk_scale, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr,
+                  D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr):
+        """Rows ROLE * 64 ... of each of the program's query tiles: attention over the tile's key tiles, then O
+        and the LSE stored."""
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
         mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -280,64 +328,76 @@ if HAVE_GLUON:
                                                          instr_shape=[16, D_T, 16])
         row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
         row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
-        q_tile = q_smem.index(ROLE)
-        qt_tile = qt_smem.index(ROLE)
-        pid_zh, off_z, off_h, off_hk, start_m, hi, n_kt = _tile(gl.program_id(0), n_tiles, n_heads, kv_group, n_q,
-                                                                n_k, causal_off, IS_CAUSAL, 2 * _HALF_M, BLOCK_N)
-        row0 = start_m + ROLE * _HALF_M
-        mbarrier.wait(q_ready.index(ROLE), 0)
-        if n_kt > 0:
-            it, o, ot, m_i, l_i = _attend(0, row0, hi, q_tile, qt_tile, k_smem, v_smem, kt_smem, vt_smem, k_ready,
-                                          v_ready, empty, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL,
-                                          BLOCK_N, STAGES, mma_s, mma_o, mma_t)
-        else:  # causal, n_q > n_k + the tile's rows: no key visible
-            m_i = gl.full([_HALF_M], float("-inf"), gl.float32, layout=row_s)
-            l_i = gl.zeros([_HALF_M], gl.float32, layout=row_s)
-            o = gl.zeros([_HALF_M, D_MAIN], gl.float32, layout=mma_o)
-            ot = gl.zeros([_HALF_M, D_T], gl.float32, layout=mma_t)
-        # epilogue: O = acc / l (rows past n_q not written), LSE natural-log
-        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-        offs_mo = row0 + gl.arange(0, _HALF_M, layout=row_o)
-        base = O + off_z.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
-        _store_cols(O, o, l_safe, offs_mo, base, stride_om, n_q, 0, D_MAIN, mma_o)
-        if D_TAIL > 0:
-            offs_mt = row0 + gl.arange(0, _HALF_M, layout=gl.SliceLayout(1, mma_t))
-            _store_cols(O, ot, l_safe, offs_mt, base, stride_om, n_q, D_MAIN, D_TAIL, mma_t)
-        offs_m = row0 + gl.arange(0, _HALF_M, layout=row_s)
-        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-        gl.store(LSE + pid_zh.to(gl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
+        it = 0  # key tiles consumed
+        n_done = 0  # query tiles consumed
+        for k in range(0, _walk_len(n_units)):
+            exists, pid_zh, off_z, off_h, off_hk, start_m, hi, n_kt = _tile(k, n_units, n_pairs, n_tiles, n_heads,
+                                                                            kv_group, n_k, causal_off, IS_CAUSAL,
+                                                                            2 * _HALF_M, BLOCK_N)
+            if exists:
+                qb = (n_done % Q_BUFS) * 2 + ROLE
+                row0 = start_m + ROLE * _HALF_M
+                mbarrier.wait(q_ready.index(qb), (n_done // Q_BUFS) & 1)
+                if n_kt > 0:
+                    it, o, ot, m_i, l_i = _attend(it, row0, hi, q_smem.index(qb), qt_smem.index(qb),
+                                                  q_empty.index(qb), k_smem, v_smem, kt_smem, vt_smem, k_ready,
+                                                  v_ready, empty, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN,
+                                                  D_TAIL, BLOCK_N, STAGES, mma_s, mma_o, mma_t)
+                else:  # causal, n_q > n_k + the tile's rows: no key visible
+                    mbarrier.arrive(q_empty.index(qb), count=1)
+                    m_i = gl.full([_HALF_M], float("-inf"), gl.float32, layout=row_s)
+                    l_i = gl.zeros([_HALF_M], gl.float32, layout=row_s)
+                    o = gl.zeros([_HALF_M, D_MAIN], gl.float32, layout=mma_o)
+                    ot = gl.zeros([_HALF_M, D_T], gl.float32, layout=mma_t)
+                # epilogue: O = acc / l (rows past n_q not written), LSE natural-log
+                l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+                offs_mo = row0 + gl.arange(0, _HALF_M, layout=row_o)
+                base = O + off_z.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
+                _store_cols(O, o, l_safe, offs_mo, base, stride_om, n_q, 0, D_MAIN, mma_o)
+                if D_TAIL > 0:
+                    offs_mt = row0 + gl.arange(0, _HALF_M, layout=gl.SliceLayout(1, mma_t))
+                    _store_cols(O, ot, l_safe, offs_mt, base, stride_om, n_q, D_MAIN, D_TAIL, mma_t)
+                offs_m = row0 + gl.arange(0, _HALF_M, layout=row_s)
+                lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+                gl.store(LSE + pid_zh.to(gl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
+                n_done += 1
 
     @gluon.jit
     def _fwd_ws_kernel(Q, K, V, Q_T, K_T, V_T, O, LSE,  # Q, K, V (and their tails Q_T, ...): 4-D TMA descriptors
-                       stride_oz, stride_oh, stride_om, n_heads, kv_group, n_q, n_k, causal_off, qk_scale,
+                       stride_oz, stride_oh, stride_om, n_heads, kv_group, n_q, n_k, causal_off, qk_scale, n_zh,
                        IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                       PRODUCER_WARPS: gl.constexpr):
+                       STAGES: gl.constexpr, Q_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       PRODUCER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr):
         gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
-        # one query tile of 2 x 64 rows a program, in head-major order (launch._grid), heavy causal tiles first
+        # persistent: the program walks pairs of query tiles of 2 x 64 rows (`_tile`), head-major
         n_tiles = gl.cdiv(n_q, 2 * _HALF_M)
+        n_pairs = (n_tiles + 1) // 2
+        n_units = n_zh * n_pairs
         dtype: gl.constexpr = O.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HALF_M, D_MAIN], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_MAIN], dtype)
-        q_smem = gl.allocate_shared_memory(dtype, [2, _HALF_M, D_MAIN], q_layout)
+        # Q_BUFS buffers of the two consumers' Q blocks (buffer b, consumer c at index 2 b + c)
+        q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, _HALF_M, D_MAIN], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_MAIN], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_MAIN], kv_layout)
         if D_TAIL > 0:  # the head dim's tail columns, in buffers of their own width
             qt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HALF_M, D_TAIL], dtype)
             kvt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_TAIL], dtype)
-            qt_smem = gl.allocate_shared_memory(dtype, [2, _HALF_M, D_TAIL], qt_layout)
+            qt_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, _HALF_M, D_TAIL], qt_layout)
             kt_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_TAIL], kvt_layout)
             vt_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_TAIL], kvt_layout)
         else:  # never read
             qt_smem = q_smem
             kt_smem = k_smem
             vt_smem = v_smem
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
+        for i in gl.static_range(2 * Q_BUFS):
             mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
@@ -345,15 +405,17 @@ if HAVE_GLUON:
         fence_async_shared()
         # (the argument tuples are spelled out: a tuple built in Gluon code drops its constexprs)
         gl.warp_specialize([
-            (_consumer, (0, O, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready, k_ready, v_ready,
-                         empty, n_tiles, n_heads, kv_group, stride_oz, stride_oh, stride_om, n_q, n_k, causal_off,
-                         qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES)),
-            (_consumer, (1, O, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready, k_ready, v_ready,
-                         empty, n_tiles, n_heads, kv_group, stride_oz, stride_oh, stride_om, n_q, n_k, causal_off,
-                         qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES)),
+            (_consumer, (0, O, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready, q_empty, k_ready,
+                         v_ready, empty, n_units, n_pairs, n_tiles, n_heads, kv_group, stride_oz, stride_oh,
+                         stride_om, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES,
+                         Q_BUFS)),
+            (_consumer, (1, O, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready, q_empty, k_ready,
+                         v_ready, empty, n_units, n_pairs, n_tiles, n_heads, kv_group, stride_oz, stride_oh,
+                         stride_om, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES,
+                         Q_BUFS)),
             (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
-                         k_ready, v_ready, empty, n_tiles, n_heads, kv_group, n_q, n_k, causal_off, IS_CAUSAL,
-                         D_MAIN, D_TAIL, BLOCK_N, STAGES)),
+                         q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_heads, kv_group, n_q, n_k,
+                         causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS)),
         ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -388,13 +450,16 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causa
     z, h, n_q, d = q.shape
     n_k = k.shape[2]
     d_main, d_tail = common._TILE_D[d]
-    block_n, stages = FWD_TILES[d]
+    block_n, stages, q_bufs = FWD_TILES[d]
     causal_off = n_k - n_q if is_causal else 0
     boxes = ((q, HALF_M), (k, block_n), (v, block_n))  # (tensor, rows a load takes)
     descs = [_host_desc(t[..., :d_main] if d_tail else t, rows) for t, rows in boxes]
     # the tail columns' descriptors (without a tail: the main ones again, never read)
     tails = [_host_desc(t[..., d_main:], rows) for t, rows in boxes] if d_tail else descs
-    _fwd_ws_kernel[(z * h * _cdiv(n_q, BLOCK_M),)](
-        *descs, *tails, o, lse, *o.stride()[:3], h, h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E,
-        IS_CAUSAL=is_causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, STAGES=stages,
+    # persistent: a program an SM (their shared memory allows no second); on a grid of fewer than half as many
+    # pairs of query tiles, a tile a program (`_tile`)
+    n_units = z * h * _cdiv(_cdiv(n_q, BLOCK_M), 2)
+    _fwd_ws_kernel[(min(2 * n_units, launch._sm_count(q.device)),)](
+        *descs, *tails, o, lse, *o.stride()[:3], h, h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E, z * h,
+        IS_CAUSAL=is_causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, STAGES=stages, Q_BUFS=q_bufs,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PRODUCER_WARPS=PRODUCER_WARPS, num_warps=4)
