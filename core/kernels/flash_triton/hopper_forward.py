@@ -150,7 +150,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
                   vt_smem, q_ready, q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_heads, kv_group,
-                  n_q, n_k, causal_off, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
+                  n_k, causal_off, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr):
         """TMA loads of the program's query tiles one after the other: a tile's K_0 / V_0, its two Q blocks once
         the consumers are done with the Q buffer (Q_BUFS of them in turn), then K_i / V_i of its other key tiles
@@ -414,7 +414,7 @@ if HAVE_GLUON:
                          stride_om, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES,
                          Q_BUFS)),
             (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
-                         q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_heads, kv_group, n_q, n_k,
+                         q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_heads, kv_group, n_k,
                          causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS)),
         ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
