@@ -36,7 +36,7 @@ from experiments.results import default_out, write_result  # noqa: E402
 
 # the autotuner's choices at d = 128 for the training grid's shapes (H100), pinned there
 TRITON_TILES = {"fwd": (64, 64, 4, 3), "dq": (128, 64, 8, 3), "dkdv": (64, 64, 4, 2)}
-GLUON = FlashConfig(backward="atomic_dq", hopper_fwd_min_rows=0)  # Gluon fwd and bwd
+GLUON = FlashConfig(backward="atomic_dq")  # Gluon fwd (its tiles by row count) and bwd
 
 
 def triton_config(d: int) -> FlashConfig:
@@ -149,9 +149,9 @@ def run_timings(lines: list[str], shapes: list[tuple[int, int, int]], d: int) ->
                 t["fwd_cudnn"] = bench(lambda: F.scaled_dot_product_attention(qg, kg, vg, is_causal=True))
                 oc = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
                 t["bwd_cudnn"] = bench(lambda: torch.autograd.grad(oc, (qg, kg, vg), do, retain_graph=True))
-            # the default policy: the Gluon forward from hopper_fwd_min_rows, the Gluon backward from ws_min_rows
+            # the default policy: the Gluon forward, the Gluon backward from ws_min_rows
             cfg = FlashConfig()
-            fwd = t["fwd_gluon"] if s >= cfg.hopper_fwd_min_rows else t["fwd_triton"]
+            fwd = t["fwd_gluon"]
             bwd = t["bwd_gluon"] if s >= cfg.ws_min_rows and gluon_bwd else t["bwd_triton"]
             fc, bc = t["fwd_cudnn"], t["bwd_cudnn"]
             flops = 4 * b * h * s * s * d / 2

@@ -1058,8 +1058,8 @@ from triton.runtime.jit import mangle_type
 from core.kernels.flash_triton import common, hopper_forward as hf
 for d in hf.HEAD_DIMS:
     d_main, d_tail = common._TILE_D[d]
-    for causal in (True, False):
-        block_n, stages, q_bufs = hf.FWD_TILES[d]
+    for causal, tiles in ((True, hf.FWD_TILES), (False, hf.FWD_TILES), (True, hf.SHORT_TILES)):
+        block_n, stages, q_bufs = tiles[d]
         constexprs = dict(IS_CAUSAL=causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, STAGES=stages,
                           Q_BUFS=q_bufs, CONSUMER_REGS=hf.CONSUMER_REGS, PRODUCER_REGS=hf.PRODUCER_REGS,
                           PRODUCER_WARPS=hf.PRODUCER_WARPS)
@@ -1081,8 +1081,8 @@ print("compiled")
 
 
 def test_gluon_fwd_compiles_for_sm90():
-    """The warp-specialised Gluon forward compiles for sm_90a (d = 80, 96, 128, causal and not) with the installed
-    Triton, no GPU needed."""
+    """The warp-specialised Gluon forward compiles for sm_90a (d = 80, 96, 128, causal and not, and the short-row
+    64-key tiles) with the installed Triton, no GPU needed."""
     from core.kernels.flash_triton import hopper_forward
     if not hopper_forward.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
@@ -1118,24 +1118,24 @@ def test_gluon_fwd_only_where_it_applies(monkeypatch):
     assert not ftd._hopper_fwd_ok(x, x, x, FlashConfig())
 
 
-def test_forward_policy_takes_gluon_from_min_rows(monkeypatch):
-    """The forward runs the Gluon kernel where it applies from `hopper_fwd_min_rows` query rows on (at every head
-    dim it takes, 80 = 64 + 16 here), unless the split-KV forward splits the call or `tiles.fwd` pins the Triton
-    kernel; elsewhere the Triton kernels (their output against float64 here)."""
+def test_forward_policy_takes_gluon_where_it_applies(monkeypatch):
+    """The forward runs the Gluon kernel where it applies (at every head dim it takes, 80 = 64 + 16 here), with its
+    short-row tiles below `hopper_fwd_long_rows` query rows, unless the split-KV forward splits the call or
+    `tiles.fwd` pins the Triton kernel; elsewhere the Triton kernels (their output against float64 here)."""
     from core.kernels.flash_triton import hopper_forward
     launched = []
 
-    def fake_launch(q, k, v, o, lse, is_causal, sm_scale):
-        launched.append(q.shape[2])
+    def fake_launch(q, k, v, o, lse, is_causal, sm_scale, short_rows=False):
+        launched.append((q.shape[2], short_rows))
         ref, ref_lse = reference_attention(q, k, v, is_causal)
         o.copy_(ref)
         lse.copy_(ref_lse)
 
     monkeypatch.setattr(ftd, "_hopper_fwd_ok", lambda q, k, v, cfg: cfg.hopper_fwd)
     monkeypatch.setattr(hopper_forward, "launch_fwd", fake_launch)
-    cfg = FlashConfig(hopper_fwd_min_rows=64)
-    cases = [(64, 32, cfg, [64]), (32, 32, cfg, []),            # from hopper_fwd_min_rows rows on
-             (64, 80, cfg, [64]), (32, 80, cfg, []),            # 80 = 64 + 16 alike
+    cfg = FlashConfig(hopper_fwd_long_rows=64)
+    cases = [(64, 32, cfg, [(64, False)]), (32, 32, cfg, [(32, True)]),  # long tiles from hopper_fwd_long_rows on
+             (64, 80, cfg, [(64, False)]), (32, 80, cfg, [(32, True)]),  # 80 = 64 + 16 alike
              (64, 32, cfg.replace(split_keys=16), []),          # a split-KV call stays split
              (64, 32, cfg.replace(hopper_fwd=False), []),
              (64, 32, cfg.replace(tiles={"fwd": (32, 16, 4, 1)}), [])]  # pinned tiles: the Triton forward
@@ -1168,8 +1168,9 @@ def test_forward_policy_takes_gluon_from_min_rows(monkeypatch):
     ((5, 15, 512, 96), 512, True, torch.float16, 5),     # 150 pairs: a round of pairs, then a tile a program
 ])
 def test_gpu_gluon_fwd_matches(shape_q, n_k, causal, dtype, kv_heads, monkeypatch):
-    """The warp-specialised Gluon forward (`hopper_fwd_min_rows: 0`, so short rows take it too): output and
-    logsumexp against float64, gradients through the backward that follows."""
+    """The warp-specialised Gluon forward, with its short-row (64-key) tiles (these rows' default) and its 128-key
+    tiles (`hopper_fwd_long_rows: 0`): output and logsumexp against float64, gradients through the backward that
+    follows."""
     from core.kernels.flash_triton import hopper_forward
     if not (_gluon_usable() and hopper_forward.HAVE_GLUON):
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
@@ -1178,16 +1179,16 @@ def test_gpu_gluon_fwd_matches(shape_q, n_k, causal, dtype, kv_heads, monkeypatc
     b, h, n_q, d = shape_q
     q = torch.randn(b, h, n_q, d, device="cuda", dtype=dtype, requires_grad=True)
     k, v = (torch.randn(b, kv_heads, n_k, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
-    cfg = FlashConfig(hopper_fwd_min_rows=0)
-    assert ftd._hopper_fwd_ok(q, k, v, cfg)
-    out, lse = flash_attention_with_lse(q, k, v, causal, cfg)
     kr, vr = (x.detach().double().repeat_interleave(h // kv_heads, dim=1) for x in (k, v))
     ref, ref_lse = reference_attention(q.detach().double(), kr, vr, causal)
-    assert rel_err(out, ref) < TOL[dtype]
     seen = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), seen) and (lse[seen].double() - ref_lse[seen]).abs().max() < 1e-3
-    check_gqa_against_reference(cfg, b, h, kv_heads, n_q, n_k, d, dtype, causal)
-    assert launches == [1, 1]  # both forwards ran the Gluon kernel
+    for cfg in (FlashConfig(), FlashConfig(hopper_fwd_long_rows=0)):
+        assert ftd._hopper_fwd_ok(q, k, v, cfg)
+        out, lse = flash_attention_with_lse(q, k, v, causal, cfg)
+        assert rel_err(out, ref) < TOL[dtype]
+        assert torch.equal(torch.isfinite(lse), seen) and (lse[seen].double() - ref_lse[seen]).abs().max() < 1e-3
+        check_gqa_against_reference(cfg, b, h, kv_heads, n_q, n_k, d, dtype, causal)
+    assert launches == [1, 1, 1, 1]  # every forward ran the Gluon kernel
 
 
 @gpu

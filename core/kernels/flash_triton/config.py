@@ -37,8 +37,9 @@ class FlashConfig:
         tiles, for head dims <= 64 / above 64.
     hopper_ws: the warp-specialised Gluon backward on sm_90 (the atomic-dQ variant's kernel there, and "auto"'s
         choice from `ws_min_rows` query rows on).
-    hopper_fwd: the warp-specialised Gluon forward on sm_90 where it applies (`hopper_forward.fwd_applies`), from
-        `hopper_fwd_min_rows` query rows on, on grids the split-KV forward would not split.
+    hopper_fwd: the warp-specialised Gluon forward on sm_90 where it applies (`hopper_forward.fwd_applies`), on
+        grids the split-KV forward would not split; hopper_fwd_long_rows: its 128-key tiles from this many query
+        rows on, 64-key ones below (a short row's few key tiles pipeline better in more, smaller steps).
     split_kv: the split-KV forward on grids that leave SMs idle; split_keys forces a split length in keys on every
         call (tests); max_splits caps the splits per query tile.
     split_merge: "in_kernel" (the split that arrives last merges: one launch) or "separate" (a merge kernel: two).
@@ -54,7 +55,7 @@ class FlashConfig:
     hopper_ws: bool = True
     ws_min_rows: int = 8192
     hopper_fwd: bool = True
-    hopper_fwd_min_rows: int = 2048
+    hopper_fwd_long_rows: int = 2048
     split_kv: bool = True
     split_keys: int | None = None
     max_splits: int = 4
@@ -82,7 +83,7 @@ class FlashConfig:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{_KEY}.{name}", f"unknown value {getattr(self, name)!r}",
                                   f"use one of {', '.join(allowed)}")
-        for name in ("fused_max_tiles", "fused_max_tiles_wide", "ws_min_rows", "hopper_fwd_min_rows", "max_splits",
+        for name in ("fused_max_tiles", "fused_max_tiles_wide", "ws_min_rows", "hopper_fwd_long_rows", "max_splits",
                      "short_row_tiles"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ConfigError(f"{_KEY}.{name}", f"{getattr(self, name)!r} is not a non-negative integer",

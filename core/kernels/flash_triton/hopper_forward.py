@@ -40,8 +40,9 @@ L2). Outputs: O in its dtype at its strides, and the natural-log logsumexp (fp32
 
 Scope (`fwd_applies`): compiled CUDA on sm_90, fp16 / bf16, head dims 80, 96 and 128 (`HEAD_DIMS`), unit last
 strides and 16-byte aligned bases and (batch, head, row) strides of Q, K and V (TMA). Everything else runs the
-Triton kernels; `dispatch.flash_fwd_impl` takes this one from `FlashConfig.hopper_fwd_min_rows` query rows on
-(below, the Triton forward's smaller tiles win).
+Triton kernels; `dispatch.flash_fwd_impl` takes this one wherever it applies and the call is not split (the
+split-KV forward serves grids that leave SMs idle), with 64-key tiles below `FlashConfig.hopper_fwd_long_rows`
+query rows (`SHORT_TILES`).
 """
 from __future__ import annotations
 
@@ -62,8 +63,8 @@ try:
 except ImportError:  # a Triton without Gluon (or without its Hopper ops)
     HAVE_GLUON = False
 
-# where it is faster than the Triton forward from 2048 rows (docs/attention.md); at 64 the Triton kernel's 64-row
-# tiles win (the exponentials, not the matmuls, bound it there)
+# where it is faster than the Triton forward (docs/attention.md); at 64 the Triton kernel's 64-row tiles win (the
+# exponentials, not the matmuls, bound it there)
 HEAD_DIMS = (80, 96, 128)
 # query rows per program: two consumer warpgroups of HALF_M rows
 BLOCK_M, HALF_M = 128, 64
@@ -71,6 +72,10 @@ BLOCK_M, HALF_M = 128, 64
 # within the 227 KB of shared memory a program may have: d = 128, Q 32 KB + 3 x (K + V) 64 KB = 224 KB; d = 96,
 # 2 x 24 + 3 x 48 = 192 KB; d = 80, 20 + 4 x 40 = 180 KB
 FWD_TILES = {80: (128, 4, 1), 96: (128, 3, 2), 128: (128, 3, 1)}
+# ... for short rows (`FlashConfig.hopper_fwd_long_rows`): 64-key tiles, so a row's few key tiles make more,
+# smaller pipeline steps (0.74-0.81x the time of the 128-key tiles at S = 512, 0.91-0.94x at 1024, 1.07-1.15x at
+# 8192); d = 128, 2 x 32 + 4 x 32 = 192 KB; d = 96, 2 x 24 + 6 x 24 = 192 KB; d = 80, 2 x 20 + 8 x 20 = 200 KB
+SHORT_TILES = {80: (64, 8, 2), 96: (64, 6, 2), 128: (64, 4, 2)}
 # setmaxnreg: consumers 240 registers a thread, the producer 32 (2 x 128 x 240 + 128 x 32 = 64 K; with 24 its tile
 # arithmetic spills)
 CONSUMER_REGS, PRODUCER_REGS = 240, 32
@@ -444,13 +449,14 @@ def _host_desc(t: Tensor, rows: int):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d], layout)
 
 
-def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, sm_scale: float) -> None:
+def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, sm_scale: float,
+               short_rows: bool = False) -> None:
     """O (preallocated, any strides with a unit last one) and lse ((Z, H, N_q) fp32, contiguous) of attention on
-    4-D (Z, H, N, d) q, k, v (k, v: H / kv_group heads), where `fwd_applies`."""
+    4-D (Z, H, N, d) q, k, v (k, v: H / kv_group heads), where `fwd_applies`; short_rows: `SHORT_TILES`."""
     z, h, n_q, d = q.shape
     n_k = k.shape[2]
     d_main, d_tail = common._TILE_D[d]
-    block_n, stages, q_bufs = FWD_TILES[d]
+    block_n, stages, q_bufs = (SHORT_TILES if short_rows else FWD_TILES)[d]
     causal_off = n_k - n_q if is_causal else 0
     boxes = ((q, HALF_M), (k, block_n), (v, block_n))  # (tensor, rows a load takes)
     descs = [_host_desc(t[..., :d_main] if d_tail else t, rows) for t, rows in boxes]
