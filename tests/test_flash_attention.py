@@ -1081,7 +1081,7 @@ print("compiled")
 
 
 def test_gluon_fwd_compiles_for_sm90():
-    """The warp-specialised Gluon forward compiles for sm_90a (d = 80, 96, 128, causal and not, and the short-row
+    """The warp-specialised Gluon forward compiles for sm_90a (d = 64, 80, 96, 128, causal and not, and the short-row
     64-key tiles) with the installed Triton, no GPU needed."""
     from core.kernels.flash_triton import hopper_forward
     if not hopper_forward.HAVE_GLUON:
@@ -1090,7 +1090,7 @@ def test_gluon_fwd_compiles_for_sm90():
 
 
 def test_gluon_fwd_only_where_it_applies(monkeypatch):
-    """The Gluon forward is on by default (`hopper_fwd`) for bf16 / fp16 at head dims 80, 96 and 128 with
+    """The Gluon forward is on by default (`hopper_fwd`) for bf16 / fp16 at head dims 64, 80, 96 and 128 with
     TMA-aligned q, k, v, and off for fp32, other head dims, unaligned rows, other GPUs and under the interpreter."""
     from core.kernels.flash_triton import hopper_forward
     if not hopper_forward.HAVE_GLUON:
@@ -1101,7 +1101,7 @@ def test_gluon_fwd_only_where_it_applies(monkeypatch):
     assert not ftd._hopper_fwd_ok(x, x, x, FlashConfig(hopper_fwd=False))
     assert ftd._hopper_fwd_ok(x.half(), x.half(), x.half(), FlashConfig())
     assert not ftd._hopper_fwd_ok(x.float(), x.float(), x.float(), FlashConfig())
-    for d, applies in ((64, False), (80, True), (96, True), (112, False)):  # the Triton forward is faster at 64
+    for d, applies in ((32, False), (64, True), (80, True), (96, True), (112, False)):
         y = x[..., :d].contiguous()
         assert ftd._hopper_fwd_ok(y, y, y, FlashConfig()) == applies, d
     sliced = x[..., :96]  # a view with 128-column rows: its tail's base is 128 bytes past each row's start
@@ -1119,9 +1119,10 @@ def test_gluon_fwd_only_where_it_applies(monkeypatch):
 
 
 def test_forward_policy_takes_gluon_where_it_applies(monkeypatch):
-    """The forward runs the Gluon kernel where it applies (at every head dim it takes, 80 = 64 + 16 here), with its
-    short-row tiles below `hopper_fwd_long_rows` query rows, unless the split-KV forward splits the call or
-    `tiles.fwd` pins the Triton kernel; elsewhere the Triton kernels (their output against float64 here)."""
+    """The forward runs the Gluon kernel where it applies (at every head dim it takes, 80 = 64 + 16 here; at 64 from
+    `hopper_fwd_d64_min_rows` query rows on), with its short-row tiles below `hopper_fwd_long_rows` query rows,
+    unless the split-KV forward splits the call or `tiles.fwd` pins the Triton kernel; elsewhere the Triton kernels
+    (their output against float64 here)."""
     from core.kernels.flash_triton import hopper_forward
     launched = []
 
@@ -1133,9 +1134,10 @@ def test_forward_policy_takes_gluon_where_it_applies(monkeypatch):
 
     monkeypatch.setattr(ftd, "_hopper_fwd_ok", lambda q, k, v, cfg: cfg.hopper_fwd)
     monkeypatch.setattr(hopper_forward, "launch_fwd", fake_launch)
-    cfg = FlashConfig(hopper_fwd_long_rows=64)
+    cfg = FlashConfig(hopper_fwd_long_rows=64, hopper_fwd_d64_min_rows=64)
     cases = [(64, 32, cfg, [(64, False)]), (32, 32, cfg, [(32, True)]),  # long tiles from hopper_fwd_long_rows on
              (64, 80, cfg, [(64, False)]), (32, 80, cfg, [(32, True)]),  # 80 = 64 + 16 alike
+             (64, 64, cfg, [(64, False)]), (32, 64, cfg, []),            # d = 64 from hopper_fwd_d64_min_rows
              (64, 32, cfg.replace(split_keys=16), []),          # a split-KV call stays split
              (64, 32, cfg.replace(hopper_fwd=False), []),
              (64, 32, cfg.replace(tiles={"fwd": (32, 16, 4, 1)}), [])]  # pinned tiles: the Triton forward
@@ -1166,11 +1168,13 @@ def test_forward_policy_takes_gluon_where_it_applies(monkeypatch):
     ((4, 16, 900, 96), 900, True, torch.float16, 16),
     ((2, 32, 640, 80), 640, False, torch.bfloat16, 8),   # five query tiles a head: the middle one unpaired
     ((5, 15, 512, 96), 512, True, torch.float16, 5),     # 150 pairs: a round of pairs, then a tile a program
+    ((2, 8, 1000, 64), 1000, True, torch.bfloat16, 2),   # d = 64 (from hopper_fwd_d64_min_rows rows by default)
+    ((4, 16, 515, 64), 515, False, torch.float16, 16),
 ])
 def test_gpu_gluon_fwd_matches(shape_q, n_k, causal, dtype, kv_heads, monkeypatch):
-    """The warp-specialised Gluon forward, with its short-row (64-key) tiles (these rows' default) and its 128-key
-    tiles (`hopper_fwd_long_rows: 0`): output and logsumexp against float64, gradients through the backward that
-    follows."""
+    """The warp-specialised Gluon forward (at d = 64 too: `hopper_fwd_d64_min_rows: 0`), with its short-row (64-key)
+    tiles (these rows' default) and its 128-key tiles (`hopper_fwd_long_rows: 0`): output and logsumexp against
+    float64, gradients through the backward that follows."""
     from core.kernels.flash_triton import hopper_forward
     if not (_gluon_usable() and hopper_forward.HAVE_GLUON):
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
@@ -1182,7 +1186,8 @@ def test_gpu_gluon_fwd_matches(shape_q, n_k, causal, dtype, kv_heads, monkeypatc
     kr, vr = (x.detach().double().repeat_interleave(h // kv_heads, dim=1) for x in (k, v))
     ref, ref_lse = reference_attention(q.detach().double(), kr, vr, causal)
     seen = torch.isfinite(ref_lse)
-    for cfg in (FlashConfig(), FlashConfig(hopper_fwd_long_rows=0)):
+    gluon_anywhere = FlashConfig(hopper_fwd_d64_min_rows=0)
+    for cfg in (gluon_anywhere, gluon_anywhere.replace(hopper_fwd_long_rows=0)):
         assert ftd._hopper_fwd_ok(q, k, v, cfg)
         out, lse = flash_attention_with_lse(q, k, v, causal, cfg)
         assert rel_err(out, ref) < TOL[dtype]

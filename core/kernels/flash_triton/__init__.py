@@ -14,7 +14,7 @@ Modules, in the order a call goes through them (docs/attention.md, "Files"):
 - `tuning`: the autotuner's config lists and choices;
 - `forward`, `backward`: the Triton kernels; `common`: the tile helpers both use;
 - `hopper`: the warp-specialised backward for sm_90 in Gluon (wgmma, TMA); `hopper_forward`: the
-  warp-specialised forward for sm_90 in Gluon (head dims 80, 96, 128).
+  warp-specialised forward for sm_90 in Gluon (head dims 64 on long rows, 80, 96, 128).
 
 Causal with N_q != N_k is bottom-right aligned: query i sees keys j <= i + N_k - N_q.
 Rows that see no key give output 0 and logsumexp -inf.

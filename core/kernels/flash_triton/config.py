@@ -39,7 +39,9 @@ class FlashConfig:
         choice from `ws_min_rows` query rows on).
     hopper_fwd: the warp-specialised Gluon forward on sm_90 where it applies (`hopper_forward.fwd_applies`), on
         grids the split-KV forward would not split; hopper_fwd_long_rows: its 128-key tiles from this many query
-        rows on, 64-key ones below (a short row's few key tiles pipeline better in more, smaller steps).
+        rows on, 64-key ones below (a short row's few key tiles pipeline better in more, smaller steps);
+        hopper_fwd_d64_min_rows: at head dim 64 only from this many query rows on (the Triton forward's 64-row
+        tiles win below).
     split_kv: the split-KV forward on grids that leave SMs idle; split_keys forces a split length in keys on every
         call (tests); max_splits caps the splits per query tile.
     split_merge: "in_kernel" (the split that arrives last merges: one launch) or "separate" (a merge kernel: two).
@@ -56,6 +58,7 @@ class FlashConfig:
     ws_min_rows: int = 8192
     hopper_fwd: bool = True
     hopper_fwd_long_rows: int = 2048
+    hopper_fwd_d64_min_rows: int = 8192
     split_kv: bool = True
     split_keys: int | None = None
     max_splits: int = 4
@@ -83,8 +86,8 @@ class FlashConfig:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{_KEY}.{name}", f"unknown value {getattr(self, name)!r}",
                                   f"use one of {', '.join(allowed)}")
-        for name in ("fused_max_tiles", "fused_max_tiles_wide", "ws_min_rows", "hopper_fwd_long_rows", "max_splits",
-                     "short_row_tiles"):
+        for name in ("fused_max_tiles", "fused_max_tiles_wide", "ws_min_rows", "hopper_fwd_long_rows",
+                     "hopper_fwd_d64_min_rows", "max_splits", "short_row_tiles"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ConfigError(f"{_KEY}.{name}", f"{getattr(self, name)!r} is not a non-negative integer",
                                   "give a whole number >= 0")

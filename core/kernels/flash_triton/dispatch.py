@@ -131,7 +131,8 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
     block_d, tail_d = _TILE_D[d]
     split_len = _fwd_split_len(q.device, z * h, n_q, n_k, bm, bn, cfg) if block_d + tail_d <= 128 else 0
     # the Gluon forward on Hopper (`hopper_forward`), unless tiles pin the Triton one or the call is split
-    if not split_len and pinned is None and _hopper_fwd_ok(q, k, v, cfg):
+    min_rows = cfg.hopper_fwd_d64_min_rows if d == 64 else 0
+    if not split_len and pinned is None and n_q >= min_rows and _hopper_fwd_ok(q, k, v, cfg):
         from core.kernels.flash_triton import hopper_forward
         hopper_forward.launch_fwd(q, k, v, o, lse, is_causal, 1.0 / math.sqrt(d),
                                   short_rows=n_q < cfg.hopper_fwd_long_rows)

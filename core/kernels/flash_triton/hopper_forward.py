@@ -38,11 +38,12 @@ program p takes units p, p + grid, ... (head-major: the programs at work at one 
 L2). Outputs: O in its dtype at its strides, and the natural-log logsumexp (fp32, (Z*H, N_q);
 -inf and output 0 for a row that sees no key).
 
-Scope (`fwd_applies`): compiled CUDA on sm_90, fp16 / bf16, head dims 80, 96 and 128 (`HEAD_DIMS`), unit last
+Scope (`fwd_applies`): compiled CUDA on sm_90, fp16 / bf16, head dims 64, 80, 96 and 128 (`HEAD_DIMS`), unit last
 strides and 16-byte aligned bases and (batch, head, row) strides of Q, K and V (TMA). Everything else runs the
 Triton kernels; `dispatch.flash_fwd_impl` takes this one wherever it applies and the call is not split (the
 split-KV forward serves grids that leave SMs idle), with 64-key tiles below `FlashConfig.hopper_fwd_long_rows`
-query rows (`SHORT_TILES`).
+query rows (`SHORT_TILES`), and at head dim 64 only from `FlashConfig.hopper_fwd_d64_min_rows` query rows on
+(below, the Triton forward's 64-row tiles are faster: at d = 64 the exponentials, not the matmuls, bound it).
 """
 from __future__ import annotations
 
@@ -63,19 +64,20 @@ try:
 except ImportError:  # a Triton without Gluon (or without its Hopper ops)
     HAVE_GLUON = False
 
-# where it is faster than the Triton forward (docs/attention.md); at 64 the Triton kernel's 64-row tiles win (the
-# exponentials, not the matmuls, bound it there)
-HEAD_DIMS = (80, 96, 128)
+# where it is faster than the Triton forward (docs/attention.md); at 64 only on long rows
+# (`FlashConfig.hopper_fwd_d64_min_rows`: below, the Triton kernel's 64-row tiles win)
+HEAD_DIMS = (64, 80, 96, 128)
 # query rows per program: two consumer warpgroups of HALF_M rows
 BLOCK_M, HALF_M = 128, 64
 # (BLOCK_N keys per tile, STAGES of the K/V ring, Q_BUFS query-tile buffers) per head dim, the fastest measured
 # within the 227 KB of shared memory a program may have: d = 128, Q 32 KB + 3 x (K + V) 64 KB = 224 KB; d = 96,
-# 2 x 24 + 3 x 48 = 192 KB; d = 80, 20 + 4 x 40 = 180 KB
-FWD_TILES = {80: (128, 4, 1), 96: (128, 3, 2), 128: (128, 3, 1)}
+# 2 x 24 + 3 x 48 = 192 KB; d = 80, 20 + 4 x 40 = 180 KB; d = 64, 16 + 6 x 32 = 208 KB
+FWD_TILES = {64: (128, 6, 1), 80: (128, 4, 1), 96: (128, 3, 2), 128: (128, 3, 1)}
 # ... for short rows (`FlashConfig.hopper_fwd_long_rows`): 64-key tiles, so a row's few key tiles make more,
 # smaller pipeline steps (0.74-0.81x the time of the 128-key tiles at S = 512, 0.91-0.94x at 1024, 1.07-1.15x at
-# 8192); d = 128, 2 x 32 + 4 x 32 = 192 KB; d = 96, 2 x 24 + 6 x 24 = 192 KB; d = 80, 2 x 20 + 8 x 20 = 200 KB
-SHORT_TILES = {80: (64, 8, 2), 96: (64, 6, 2), 128: (64, 4, 2)}
+# 8192); d = 128, 2 x 32 + 4 x 32 = 192 KB; d = 96, 2 x 24 + 6 x 24 = 192 KB; d = 80, 2 x 20 + 8 x 20 = 200 KB;
+# d = 64, 2 x 16 + 8 x 16 = 160 KB
+SHORT_TILES = {64: (64, 8, 2), 80: (64, 8, 2), 96: (64, 6, 2), 128: (64, 4, 2)}
 # setmaxnreg: consumers 240 registers a thread, the producer 32 (2 x 128 x 240 + 128 x 32 = 64 K; with 24 its tile
 # arithmetic spills)
 CONSUMER_REGS, PRODUCER_REGS = 240, 32
