@@ -10,6 +10,7 @@ Several checks should share one spawn: starting a group costs seconds.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
 import traceback
@@ -21,10 +22,45 @@ import torch.multiprocessing as mp
 from core.distributed.mesh import destroy_process_groups, init_process_group
 
 
+_PORT_BAND = 2000  # ports per pytest-xdist worker
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out on its own (to connections' local ends and to bind(0))."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port that is free now and stays free until a rendezvous binds it, maybe many seconds later.
+
+    A port from bind(0) comes from the kernel's ephemeral range, which the kernel keeps handing out to other
+    sockets (gloo's own connections among them): a port reserved for a later run was then taken by the time that
+    run started (EADDRINUSE). So the port is chosen below that range, in a band of its own per xdist worker (no
+    two workers pick the same one), and never twice in one process."""
+    low = _ephemeral_low()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    start = 10000 + (int(worker) if worker.isdigit() else 0) * _PORT_BAND
+    if start + _PORT_BAND > low:  # no room below the ephemeral range: let the kernel choose
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    rng = random.Random(int.from_bytes(os.urandom(8), "little"))
+    for port in rng.sample(range(start, start + _PORT_BAND), _PORT_BAND):
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {start}-{start + _PORT_BAND - 1}")
 
 
 def _worker(rank: int, world_size: int, port: int, fn, args, timeout_s: float, err_q, join_group: bool) -> None:
