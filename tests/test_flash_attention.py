@@ -1168,7 +1168,7 @@ def test_forward_policy_takes_gluon_where_it_applies(monkeypatch):
     ((4, 16, 900, 96), 900, True, torch.float16, 16),
     ((2, 32, 640, 80), 640, False, torch.bfloat16, 8),   # five query tiles a head: the middle one unpaired
     ((5, 15, 512, 96), 512, True, torch.float16, 5),     # 150 pairs: a round of pairs, then a tile a program
-    ((2, 8, 1000, 64), 1000, True, torch.bfloat16, 2),   # d = 64 (from hopper_fwd_d64_min_rows rows by default)
+    ((2, 8, 1000, 64), 1000, True, torch.bfloat16, 2),   # d = 64 (by default only from hopper_fwd_d64_min_rows)
     ((4, 16, 515, 64), 515, False, torch.float16, 16),
 ])
 def test_gpu_gluon_fwd_matches(shape_q, n_k, causal, dtype, kv_heads, monkeypatch):
