@@ -1062,20 +1062,22 @@ for d in hf.HEAD_DIMS:
         block_n, stages, q_bufs = tiles[d]
         constexprs = dict(IS_CAUSAL=causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, STAGES=stages,
                           Q_BUFS=q_bufs, CONSUMER_REGS=hf.CONSUMER_REGS, PRODUCER_REGS=hf.PRODUCER_REGS,
-                          PRODUCER_WARPS=hf.PRODUCER_WARPS)
+                          PRODUCER_WARPS=hf.PRODUCER_WARPS, O_OWN=hf._o_own(d, block_n, stages, q_bufs))
         types = {"LSE": "*fp32"}
-        for name in ("Q", "K", "V", "Q_T", "K_T", "V_T"):  # 4-D TMA descriptors made on the host
-            rows = hf.HALF_M if name[0] == "Q" else block_n
+        for name in ("Q", "K", "V", "O", "Q_T", "K_T", "V_T", "O_T"):  # 4-D TMA descriptors made on the host
+            rows = hf.HALF_M if name[0] in "QO" else block_n
             width = d_tail if name.endswith("_T") and d_tail else d_main
             types[name] = mangle_type(hf._host_desc(torch.empty(1, 1, rows, width, dtype=torch.bfloat16), rows))
         kernel = compile_sm90(hf._fwd_ws_kernel, constexprs, types)
         ptx = kernel.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and kernel.asm["cubin"]
+        # O leaves through shared memory by TMA: a store per head-dim part in each consumer's code
+        assert ptx.count("cp.async.bulk.tensor.4d.global.shared") == (4 if d_tail else 2), d
         # the head dim's tail: its own wgmmas (N = the tail's width for O += P V)
         assert (f"m64n{d_tail}k16" in ptx) == bool(d_tail), d
         # two consumer warpgroups and a producer warpgroup, registers moved between them; within shared memory
         assert "setmaxnreg" in ptx and kernel.metadata.num_warps == 12, d
-        assert kernel.metadata.shared <= 232448, d
+        assert kernel.metadata.shared <= hf.SMEM_LIMIT, d
 print("compiled")
 """
 
@@ -1120,8 +1122,8 @@ def test_gluon_fwd_only_where_it_applies(monkeypatch):
 
 def test_forward_policy_takes_gluon_where_it_applies(monkeypatch):
     """The forward runs the Gluon kernel where it applies (at every head dim it takes, 80 = 64 + 16 here; at 64 from
-    `hopper_fwd_d64_min_rows` query rows on), with its short-row tiles below `hopper_fwd_long_rows` query rows,
-    unless the split-KV forward splits the call or `tiles.fwd` pins the Triton kernel; elsewhere the Triton kernels
+    `hopper_fwd_d64_min_rows` query rows on), with its short-row tiles below `hopper_fwd_long_rows` query rows
+    under a causal mask (the 128-key tiles without it), unless the split-KV forward splits the call or `tiles.fwd` pins the Triton kernel; elsewhere the Triton kernels
     (their output against float64 here)."""
     from core.kernels.flash_triton import hopper_forward
     launched = []
@@ -1141,12 +1143,14 @@ def test_forward_policy_takes_gluon_where_it_applies(monkeypatch):
              (64, 32, cfg.replace(split_keys=16), []),          # a split-KV call stays split
              (64, 32, cfg.replace(hopper_fwd=False), []),
              (64, 32, cfg.replace(tiles={"fwd": (32, 16, 4, 1)}), [])]  # pinned tiles: the Triton forward
-    for n_q, d, c, expect in cases:
+    cases = [(n_q, d, c, expect, True) for n_q, d, c, expect in cases]
+    cases.append((32, 32, cfg, [(32, False)], False))  # no causal mask: the 128-key tiles at short rows too
+    for n_q, d, c, expect, causal in cases:
         launched.clear()
         q, k, v = (torch.randn(1, 2, n_q, d, device=DEVICE) for _ in range(3))
-        out, lse = ft.flash_fwd_impl(q, k, v, True, c)
-        assert launched == expect, (n_q, d, c)
-        ref, ref_lse = reference_attention(q, k, v, True)
+        out, lse = ft.flash_fwd_impl(q, k, v, causal, c)
+        assert launched == expect, (n_q, d, c, causal)
+        ref, ref_lse = reference_attention(q, k, v, causal)
         assert rel_err(out, ref) < TOL[torch.float32] and rel_err(lse, ref_lse) < TOL[torch.float32]
 
 

@@ -38,8 +38,10 @@ class FlashConfig:
     hopper_ws: the warp-specialised Gluon backward on sm_90 (the atomic-dQ variant's kernel there, and "auto"'s
         choice from `ws_min_rows` query rows on).
     hopper_fwd: the warp-specialised Gluon forward on sm_90 where it applies (`hopper_forward.fwd_applies`), on
-        grids the split-KV forward would not split; hopper_fwd_long_rows: its 128-key tiles from this many query
-        rows on, 64-key ones below (a short row's few key tiles pipeline better in more, smaller steps);
+        grids the split-KV forward would not split; hopper_fwd_long_rows: under a causal mask, its 128-key tiles
+        from this many query rows on, 64-key ones below (a short causal row's few key tiles, the last one half
+        masked, pipeline better in more, smaller steps; rows without the mask see every key and take the 128-key
+        tiles);
         hopper_fwd_d64_min_rows: at head dim 64 only from this many query rows on (the Triton forward's 64-row
         tiles win below).
     split_kv: the split-KV forward on grids that leave SMs idle; split_keys forces a split length in keys on every

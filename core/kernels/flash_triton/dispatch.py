@@ -135,7 +135,7 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
     if not split_len and pinned is None and n_q >= min_rows and _hopper_fwd_ok(q, k, v, cfg):
         from core.kernels.flash_triton import hopper_forward
         hopper_forward.launch_fwd(q, k, v, o, lse, is_causal, 1.0 / math.sqrt(d),
-                                  short_rows=n_q < cfg.hopper_fwd_long_rows)
+                                  short_rows=is_causal and n_q < cfg.hopper_fwd_long_rows)
         return o, lse
     if split_len:  # small grid: split-KV
         short = _cdiv(n_k, bn) < cfg.short_row_tiles
