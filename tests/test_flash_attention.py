@@ -790,6 +790,16 @@ assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and kernel.asm
 # dQ parts added with bulk tensor reductions, from two warpgroups (8 warps), within Hopper's 227 KB per program
 assert "cp.reduce.async.bulk.tensor" in ptx and kernel.metadata.num_warps == 8
 assert kernel.metadata.shared <= 232448, kernel.metadata.shared
+# ptxas keeps the wgmmas asynchronous: short of registers it serializes every one (info C7512; the GPU machine's
+# Triton 3.6 ptxas did so at head dim 128 with dK's dS^T as a register operand, 1.08-1.11x the time)
+import os, subprocess, tempfile
+from triton.backends.nvidia.compiler import get_ptxas  # the ptxas this Triton compiles sm_90 code with
+with tempfile.TemporaryDirectory() as tmp:
+    src, out = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+    open(src, "w").write(ptx)
+    log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", src, "-o", out], capture_output=True,
+                         text=True, timeout=240)
+assert log.returncode == 0 and "C7512" not in log.stdout + log.stderr, (log.stdout + log.stderr)[-2000:]
 print("compiled")
 """
 
@@ -848,8 +858,9 @@ def test_gluon_ws_only_where_it_applies(monkeypatch):
 
 
 def test_default_backward_policy(monkeypatch):
-    """"auto": fused on small grids, the warp-specialised backward from `ws_min_rows` rows where it applies (but
-    not under torch.use_deterministic_algorithms), else two passes; another `backward` pins its variant."""
+    """"auto": fused on small grids, the warp-specialised backward from `ws_min_rows` rows (`ws_min_rows_wide` at
+    head dim 128) where it applies (but not under torch.use_deterministic_algorithms), else two passes; another
+    `backward` pins its variant."""
     monkeypatch.setattr(ftd, "_ws_ok", lambda q, do, d, cfg: cfg.hopper_ws)
     rows = FlashConfig().ws_min_rows
     long = torch.empty(1, 16, rows, 64, dtype=torch.bfloat16)
@@ -860,6 +871,12 @@ def test_default_backward_policy(monkeypatch):
     assert ftd._default_bwd(short, short, short, FlashConfig(ws_min_rows=rows // 2)) == ft.BWD_ATOMIC_DQ
     assert ftd._default_bwd(small, small, small) == ft.BWD_FUSED
     assert ftd._default_bwd(long, long, long, FlashConfig(hopper_ws=False)) == ft.BWD_TWO_PASS
+    wide_rows = FlashConfig().ws_min_rows_wide
+    assert wide_rows < rows  # the Gluon backward pays from shorter rows at head dim 128
+    wide, wide_short = (torch.empty(1, 16, n, 128, dtype=torch.bfloat16) for n in (wide_rows, wide_rows // 2))
+    assert ftd._default_bwd(wide, wide, wide) == ft.BWD_ATOMIC_DQ
+    assert ftd._default_bwd(wide_short, wide_short, wide_short) == ft.BWD_TWO_PASS
+    assert ftd._default_bwd(wide, wide, wide, FlashConfig(ws_min_rows_wide=2 * wide_rows)) == ft.BWD_TWO_PASS
     for name, code in (("two_pass", ft.BWD_TWO_PASS), ("atomic_dq", ft.BWD_ATOMIC_DQ), ("fused", ft.BWD_FUSED)):
         for x in (long, short, small):
             assert ftd._default_bwd(x, x, x, FlashConfig(backward=name)) == code
@@ -1035,6 +1052,7 @@ def test_plugin_passes_its_config(monkeypatch):
     (dict(max_splits=1), "attention_impl.config.max_splits"),
     (dict(split_keys=0), "attention_impl.config.split_keys"),
     (dict(ws_min_rows=-1), "attention_impl.config.ws_min_rows"),
+    (dict(ws_min_rows_wide=-1), "attention_impl.config.ws_min_rows_wide"),
 ])
 def test_config_refuses_bad_values(kwargs, key):
     with pytest.raises(ConfigError) as err:

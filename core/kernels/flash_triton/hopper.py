@@ -24,16 +24,18 @@ shape: with 64 keys per program (one warpgroup) the reductions alone filled L2 (
 throughput) and the kernel was 5% slower than the two-pass backward; 128 keys in one lockstep 8-warp program, 20%
 slower; two warpgroups each computing a dQ part over its own 64 keys, summed by the second, 7-10% faster; this
 one, 3-6% faster again (2.84 ms against cuDNN's 2.92 under the profiler). The default backward policy uses it for
-long rows (`FlashConfig.hopper_ws`, `ws_min_rows`).
+long rows (`FlashConfig.hopper_ws`, `ws_min_rows`, `ws_min_rows_wide`).
 
 Head dim 128 (`_ws_warpgroup_wide`, `_ws_steps_wide`) keeps the program shape (128 keys, 64 queries a step) but
 not the register plan: per thread, dK and dV alone take 128 of the 255 registers, S^T and dP^T 64 more, so K and
 V (64 more as register operands) move to shared memory, and a 64 x 128 dQ (64 more) does not fit in either
 warpgroup. Both warpgroups compute dQ instead, each for its half of the head dim (dS over all 128 keys times
 K[:, half], 32 registers) and each reduces its own 64 x 64 block, so both hand their dS^T halves over shared
-memory and wait for the other's (ds_ready / ds_free count both). Shared memory sets the ring: K and V 64 KB,
-dS^T 32 KB, the dQ blocks 32 KB, and 3 stages of Q, dO and pairs (32.5 KB each), 226 KB of the 227 a program
-may have.
+memory and wait for the other's (ds_ready / ds_free count both). dK = dS^T Q takes its dS^T from there too, not
+from registers: with a register operand (16 more registers) the ptxas of Triton 3.6 runs out and serializes every
+wgmma (info C7512), and the kernel took 1.08-1.11x the time at 8192-16384 rows. Shared memory sets the ring: K
+and V 64 KB, dS^T 32 KB, the dQ blocks 32 KB, and 3 stages of Q, dO and pairs (32.5 KB each), 226 KB of the 227 a
+program may have.
 
 Scope (`ws_applies`): compiled CUDA on sm_90, fp16 / bf16, head dim 64 or 128, 16-byte aligned Q / dO rows and an
 even N_q (each head's (lse2, delta) rows must start 16-byte aligned for the TMA); everything else runs the Triton
@@ -363,7 +365,6 @@ if HAVE_GLUON:
             fence_async_shared()
             _barrier()
             mbarrier.arrive(ds_ready.index(slot), count=1)
-            dk_op = gl.convert_layout(ds_t, gl.DotOperandLayout(0, mma_d, 2))
             mbarrier.wait(ds_ready.index(slot), (it // 2) & 1)
             # dQ issued before dK, to be waited on first (a register A operand holds the rows its warps own:
             # keys here, not queries, so dS comes from shared memory): dS K[:, this half] over both key blocks
@@ -374,7 +375,9 @@ if HAVE_GLUON:
             dq = warpgroup_mma(ds_all.slice(keys, keys).permute((1, 0)),
                                k_smem.index(other + ROLE).slice(ROLE * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1), dq,
                                is_async=True)
-            dk = warpgroup_mma(dk_op, q_tile, dk, is_async=True)
+            # dK = dS^T Q with this warpgroup's dS^T from shared memory (a register operand's 16 registers make
+            # ptxas serialize every wgmma); its rows are rewritten two steps on, after this dK is waited on
+            dk = warpgroup_mma(ds_all.slice(ROLE * keys, keys), q_tile, dk, is_async=True)
             if ROLE == 0:
                 # refill the ring buffer of step nxt - STAGES (it - 1 at the default ring): both warpgroups
                 # released it before handing over this step's dS^T, so this does not wait
