@@ -783,7 +783,7 @@ import sys
 from core.kernels.flash_triton import hopper as fg
 head_dim = int(sys.argv[1])
 assert head_dim in fg.HEAD_DIMS
-constexprs = dict(IS_CAUSAL=True, HEAD_DIM=head_dim, **fg.ws_constexprs(head_dim))
+constexprs = dict(IS_CAUSAL=True, **fg.ws_constexprs(head_dim))
 kernel = compile_sm90(fg._bwd_ws_kernel, constexprs, {"STATS": "*fp32", "DQ_ACC": "*fp32"})
 ptx = kernel.asm["ptx"]
 assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and kernel.asm["cubin"]
@@ -817,7 +817,7 @@ def compile_in_child(script: str, *args: str) -> None:
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
 def test_gluon_ws_compiles_for_sm90(head_dim):
     """The Gluon backward compiles for sm_90a with the installed Triton, no GPU needed (the CPU machines run a
     newer Triton than the GPU machine, and Gluon's API moves between releases), at each head dim it takes."""
@@ -846,7 +846,8 @@ def test_gluon_ws_only_where_it_applies(monkeypatch):
     assert not ftd._ws_ok(x.float(), x.float(), 64)
     assert not ftd._ws_ok(x[..., :32], x[..., :32], 32)
     wide = torch.zeros(1, 1, 64, 128, dtype=torch.bfloat16)
-    assert ftd._ws_ok(wide, wide, 128) and not ftd._ws_ok(wide[..., :96], wide[..., :96], 96)
+    assert ftd._ws_ok(wide, wide, 128) and ftd._ws_ok(wide[..., :96], wide[..., :96], 96)  # 96: 128-wide tiles
+    assert ftd._ws_ok(wide[..., :80], wide[..., :80], 80) and not ftd._ws_ok(wide[..., :112], wide[..., :112], 112)
     assert not ftd._ws_ok(x[:, :, :63], x[:, :, :63], 64)  # odd N_q
     off = torch.zeros(62 * 64 + 4, dtype=torch.bfloat16)[4:].view(1, 1, 62, 64)  # 8 bytes off 16
     assert not ftd._ws_ok(off, x[:, :, :62], 64) and ftd._ws_ok(x[:, :, :62], x[:, :, :62], 64)
@@ -859,7 +860,7 @@ def test_gluon_ws_only_where_it_applies(monkeypatch):
 
 def test_default_backward_policy(monkeypatch):
     """"auto": fused on small grids, the warp-specialised backward from `ws_min_rows` rows (`ws_min_rows_wide` at
-    head dim 128) where it applies (but not under torch.use_deterministic_algorithms), else two passes; another
+    head dim 128, `ws_min_rows_padded` at 80 and 96) where it applies (but not under torch.use_deterministic_algorithms), else two passes; another
     `backward` pins its variant."""
     monkeypatch.setattr(ftd, "_ws_ok", lambda q, do, d, cfg: cfg.hopper_ws)
     rows = FlashConfig().ws_min_rows
@@ -877,6 +878,13 @@ def test_default_backward_policy(monkeypatch):
     assert ftd._default_bwd(wide, wide, wide) == ft.BWD_ATOMIC_DQ
     assert ftd._default_bwd(wide_short, wide_short, wide_short) == ft.BWD_TWO_PASS
     assert ftd._default_bwd(wide, wide, wide, FlashConfig(ws_min_rows_wide=2 * wide_rows)) == ft.BWD_TWO_PASS
+    padded_rows = FlashConfig().ws_min_rows_padded
+    for d in (80, 96):  # the 128-wide tiles pay at these head dims only from longer rows
+        at, below = (torch.empty(1, 16, n, d, dtype=torch.bfloat16) for n in (padded_rows, padded_rows // 2))
+        assert ftd._default_bwd(at, at, at) == ft.BWD_ATOMIC_DQ
+        assert ftd._default_bwd(below, below, below) == ft.BWD_TWO_PASS
+        assert ftd._default_bwd(below, below, below, FlashConfig(ws_min_rows_padded=padded_rows // 2)) \
+            == ft.BWD_ATOMIC_DQ
     for name, code in (("two_pass", ft.BWD_TWO_PASS), ("atomic_dq", ft.BWD_ATOMIC_DQ), ("fused", ft.BWD_FUSED)):
         for x in (long, short, small):
             assert ftd._default_bwd(x, x, x, FlashConfig(backward=name)) == code
@@ -901,6 +909,10 @@ def _gluon_usable() -> bool:
     ((1, 2, 200, 128), 333, True, torch.bfloat16),
     ((1, 2, 334, 128), 200, True, torch.float16),
     ((2, 2, 1000, 128), 1000, False, torch.bfloat16),
+    ((2, 3, 258, 96), 258, True, torch.bfloat16),   # head dims 96 and 80 in the 128-wide tiles (the rest zeros)
+    ((1, 2, 334, 96), 200, True, torch.float16),
+    ((2, 2, 1000, 80), 1000, False, torch.bfloat16),
+    ((1, 2, 200, 80), 333, True, torch.bfloat16),
 ])
 def test_gpu_gluon_ws_matches(shape_q, n_k, causal, dtype):
     """The warp-specialised one-pass backward (`backward: atomic_dq` on Hopper): gradients against float64, and
@@ -921,15 +933,17 @@ def test_gpu_gluon_ws_matches(shape_q, n_k, causal, dtype):
 
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 96])
 @pytest.mark.parametrize("views", [(True, True, True), (False, True, False), (True, False, True)],
                          ids=["views_qkv", "views_k", "views_qv"])
-def test_gpu_gluon_ws_on_fused_projection_views(views):
+def test_gpu_gluon_ws_on_fused_projection_views(views, d):
     """The Gluon backward addresses dK / dV with K's / V's strides through TMA descriptors: with q, k, v as
-    views of the fused projection (row strides of 3 H d), gradients against float64."""
+    views of the fused projection (row strides of 3 H d), gradients against float64 (at d = 96 the 128-wide
+    tiles read the next head's columns as zeros, not its values)."""
     if not _gluon_usable():
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
     torch.manual_seed(14)
-    q, k, v = fused_qkv_views(2, 258, 3, 3, 64, torch.bfloat16, views)
+    q, k, v = fused_qkv_views(2, 258, 3, 3, d, torch.bfloat16, views)
     check_against_reference(triton_with(ATOMIC_DQ), q, k, v, True, TOL[torch.bfloat16])
 
 
@@ -1053,6 +1067,7 @@ def test_plugin_passes_its_config(monkeypatch):
     (dict(split_keys=0), "attention_impl.config.split_keys"),
     (dict(ws_min_rows=-1), "attention_impl.config.ws_min_rows"),
     (dict(ws_min_rows_wide=-1), "attention_impl.config.ws_min_rows_wide"),
+    (dict(ws_min_rows_padded=-1), "attention_impl.config.ws_min_rows_padded"),
 ])
 def test_config_refuses_bad_values(kwargs, key):
     with pytest.raises(ConfigError) as err:

@@ -36,7 +36,8 @@ class FlashConfig:
     fused_max_tiles / fused_max_tiles_wide: "auto" takes the fused backward up to this many batch x heads x 64-row
         tiles, for head dims <= 64 / above 64.
     hopper_ws: the warp-specialised Gluon backward on sm_90 (the atomic-dQ variant's kernel there, and "auto"'s
-        choice from `ws_min_rows` query rows on at head dim 64, from `ws_min_rows_wide` at 128).
+        choice from `ws_min_rows` query rows on at head dim 64, from `ws_min_rows_wide` at 128, from
+        `ws_min_rows_padded` at 80 and 96, which run in its 128-wide tiles).
     hopper_fwd: the warp-specialised Gluon forward on sm_90 where it applies (`hopper_forward.fwd_applies`), on
         grids the split-KV forward would not split; hopper_fwd_long_rows: under a causal mask, its 128-key tiles
         from this many query rows on, 64-key ones below (a short causal row's few key tiles, the last one half
@@ -59,6 +60,7 @@ class FlashConfig:
     hopper_ws: bool = True
     ws_min_rows: int = 8192
     ws_min_rows_wide: int = 2048
+    ws_min_rows_padded: int = 8192
     hopper_fwd: bool = True
     hopper_fwd_long_rows: int = 2048
     hopper_fwd_d64_min_rows: int = 8192
@@ -89,8 +91,9 @@ class FlashConfig:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{_KEY}.{name}", f"unknown value {getattr(self, name)!r}",
                                   f"use one of {', '.join(allowed)}")
-        for name in ("fused_max_tiles", "fused_max_tiles_wide", "ws_min_rows", "ws_min_rows_wide", "hopper_fwd_long_rows",
-                     "hopper_fwd_d64_min_rows", "max_splits", "short_row_tiles"):
+        for name in ("fused_max_tiles", "fused_max_tiles_wide", "ws_min_rows", "ws_min_rows_wide",
+                     "ws_min_rows_padded", "hopper_fwd_long_rows", "hopper_fwd_d64_min_rows", "max_splits",
+                     "short_row_tiles"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ConfigError(f"{_KEY}.{name}", f"{getattr(self, name)!r} is not a non-negative integer",
                                   "give a whole number >= 0")

@@ -24,7 +24,7 @@ shape: with 64 keys per program (one warpgroup) the reductions alone filled L2 (
 throughput) and the kernel was 5% slower than the two-pass backward; 128 keys in one lockstep 8-warp program, 20%
 slower; two warpgroups each computing a dQ part over its own 64 keys, summed by the second, 7-10% faster; this
 one, 3-6% faster again (2.84 ms against cuDNN's 2.92 under the profiler). The default backward policy uses it for
-long rows (`FlashConfig.hopper_ws`, `ws_min_rows`, `ws_min_rows_wide`).
+long rows (`FlashConfig.hopper_ws`, `ws_min_rows`, `ws_min_rows_wide`, `ws_min_rows_padded`).
 
 Head dim 128 (`_ws_warpgroup_wide`, `_ws_steps_wide`) keeps the program shape (128 keys, 64 queries a step) but
 not the register plan: per thread, dK and dV alone take 128 of the 255 registers, S^T and dP^T 64 more, so K and
@@ -37,7 +37,12 @@ wgmma (info C7512), and the kernel took 1.08-1.11x the time at 8192-16384 rows. 
 and V 64 KB, dS^T 32 KB, the dQ blocks 32 KB, and 3 stages of Q, dO and pairs (32.5 KB each), 226 KB of the 227 a
 program may have.
 
-Scope (`ws_applies`): compiled CUDA on sm_90, fp16 / bf16, head dim 64 or 128, 16-byte aligned Q / dO rows and an
+Head dims 80 and 96 run in the 128-wide tiles (`TILE_D`; D_REAL the tensors' own): the TMA boxes and the K / V
+loads span 128 columns of tensors d wide, the hardware and the masks read the columns past d as zeros (which add
+nothing to any product), and the dK / dV stores and the dQ reductions stop at d (masks; the TMA clips a box at the
+tensor's edge). No padded copy; the d = 128 kernel's time.
+
+Scope (`ws_applies`): compiled CUDA on sm_90, fp16 / bf16, head dim 64, 80, 96 or 128, 16-byte aligned Q / dO rows and an
 even N_q (each head's (lse2, delta) rows must start 16-byte aligned for the TMA); everything else runs the Triton
 kernels, which stay the portable version (and the ones the CPU interpreter tests).
 """
@@ -71,7 +76,10 @@ try:
 except ImportError:  # a Triton without Gluon (or without its Hopper ops)
     HAVE_GLUON = False
 
-HEAD_DIMS = (64, 128)
+# the tiles' width by head dim: 80 and 96 run in the 128-wide tiles, their columns past d loaded as zeros by the
+# TMA and the K / V loads and never stored (the 128 kernel's time, against the two-pass kernels' at d)
+TILE_D = {64: 64, 80: 128, 96: 128, 128: 128}
+HEAD_DIMS = tuple(TILE_D)
 # 64 queries per step and 64 keys per warpgroup
 BLOCK_M, BLOCK_N = 64, 64
 # one-pass backward: two warpgroups (128 keys) per program, both keeping 256 registers (the ws region's
@@ -85,23 +93,26 @@ WS_REGS = 256
 
 
 def ws_constexprs(d: int) -> dict:
-    """The compile-time arguments of `_bwd_ws_kernel` but IS_CAUSAL and HEAD_DIM, for head dim d."""
-    stages, prefetch = WS_RING[d]
-    return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, PREFETCH=prefetch, WS_REGS=WS_REGS)
+    """The compile-time arguments of `_bwd_ws_kernel` but IS_CAUSAL, for head dim d."""
+    stages, prefetch = WS_RING[TILE_D[d]]
+    return dict(HEAD_DIM=TILE_D[d], D_REAL=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, PREFETCH=prefetch,
+                WS_REGS=WS_REGS)
 
 
 if HAVE_GLUON:
     @gluon.jit
     def _head_descs(Q, DO, STATS, off_z, off_h, stride_qz, stride_qh, stride_qm, stride_doz, stride_doh,
-                    stride_dom, n_q, n_rows_all, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-        """TMA descriptors, built on the device: this head's Q and dO rows (rows past n_q read as zeros), and the
-        (lse2, delta) pairs as int64 over all heads' rows (a head's own base is 16-byte aligned only for even
-        n_q; this head's rows start at pid_zh * n_q)."""
+                    stride_dom, n_q, n_rows_all, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                    D_REAL: gl.constexpr):
+        """TMA descriptors, built on the device: this head's Q and dO rows in boxes HEAD_DIM wide over the
+        tensors' D_REAL columns (rows past n_q and columns past D_REAL read as zeros), and the (lse2, delta) pairs
+        as int64 over all heads' rows (a head's own base is 16-byte aligned only for even n_q; this head's rows
+        start at pid_zh * n_q)."""
         tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], Q.dtype.element_ty)
-        q_desc = tma.make_tensor_descriptor(Q + off_z * stride_qz + off_h * stride_qh, shape=[n_q, HEAD_DIM],
+        q_desc = tma.make_tensor_descriptor(Q + off_z * stride_qz + off_h * stride_qh, shape=[n_q, D_REAL],
                                             strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM],
                                             layout=tile_layout)
-        do_desc = tma.make_tensor_descriptor(DO + off_z * stride_doz + off_h * stride_doh, shape=[n_q, HEAD_DIM],
+        do_desc = tma.make_tensor_descriptor(DO + off_z * stride_doz + off_h * stride_doh, shape=[n_q, D_REAL],
                                              strides=[stride_dom, 1], block_shape=[BLOCK_M, HEAD_DIM],
                                              layout=tile_layout)
         stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=64, rank=1)
@@ -136,12 +147,15 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _load_kv(K, V, off_z, off_h, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
-                 n_k, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr):
-        """K and V rows start_n .. start_n + BLOCK_N (rows past n_k read as zeros)."""
+                 n_k, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr, D_REAL: gl.constexpr):
+        """K and V rows start_n .. start_n + BLOCK_N, HEAD_DIM columns (rows past n_k and columns past D_REAL read
+        as zeros)."""
         blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
         rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blocked))
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blocked))
         kv_mask = gl.expand_dims(rows < n_k, 1)
+        if D_REAL < HEAD_DIM:
+            kv_mask = kv_mask & gl.expand_dims(cols < D_REAL, 0)
         k = gl.load(K + off_z * stride_kz + off_h * stride_kh + gl.expand_dims(rows, 1) * stride_kn
                     + gl.expand_dims(cols, 0), mask=kv_mask, other=0.0)
         v = gl.load(V + off_z * stride_vz + off_h * stride_vh + gl.expand_dims(rows, 1) * stride_vn
@@ -150,12 +164,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _store_dkdv(DK, DV, dk, dv, off_z, off_h, start_n, stride_dkz, stride_dkh, stride_dkn, stride_dvz,
-                    stride_dvh, stride_dvn, n_k, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, mma_d: gl.constexpr):
-        """dK (scaled) and dV of keys start_n ... at the given strides; rows past n_k are not written."""
+                    stride_dvh, stride_dvn, n_k, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, mma_d: gl.constexpr,
+                    D_REAL: gl.constexpr):
+        """dK (scaled) and dV of keys start_n ... at the given strides; rows past n_k and columns past D_REAL are
+        not written."""
         dtype: gl.constexpr = DK.dtype.element_ty
         out_rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_d))
         out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma_d))
         out_mask = gl.expand_dims(out_rows < n_k, 1)
+        if D_REAL < HEAD_DIM:
+            out_mask = out_mask & gl.expand_dims(out_cols < D_REAL, 0)
         gl.store(DK + off_z * stride_dkz + off_h * stride_dkh + gl.expand_dims(out_rows, 1) * stride_dkn
                  + gl.expand_dims(out_cols, 0), (dk * sm_scale).to(dtype), mask=out_mask)
         gl.store(DV + off_z * stride_dvz + off_h * stride_dvh + gl.expand_dims(out_rows, 1) * stride_dvn
@@ -305,7 +323,7 @@ if HAVE_GLUON:
         mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
         k, v = _load_kv(K, V, off_z, off_hk, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh,
-                        stride_vn, n_k, HEAD_DIM, BLOCK_N, 4)
+                        stride_vn, n_k, HEAD_DIM, BLOCK_N, 4, HEAD_DIM)
         k_smem.slice(ROLE * BLOCK_N, BLOCK_N).store(k)  # dQ's B operand (fenced before the first dQ)
         k_op = gl.convert_layout(k, gl.DotOperandLayout(0, mma_s, 2))
         v_op = gl.convert_layout(v, gl.DotOperandLayout(0, mma_s, 2))
@@ -325,7 +343,7 @@ if HAVE_GLUON:
         if ROLE == 1:
             tma.store_wait(0)
         _store_dkdv(DK, DV, dk, dv, off_z, off_h, start_n, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh,
-                    stride_dvn, n_k, sm_scale, HEAD_DIM, BLOCK_N, mma_d)
+                    stride_dvn, n_k, sm_scale, HEAD_DIM, BLOCK_N, mma_d, HEAD_DIM)
 
     # ------------------------------------------------------ head dim 128: K and V in shared memory, dQ split by d
     @gluon.jit
@@ -405,15 +423,15 @@ if HAVE_GLUON:
                            stride_vz, stride_vh, stride_vn, stride_dkz, stride_dkh, stride_dkn, stride_dvz,
                            stride_dvh, stride_dvn, n_q, n_k, causal_off, qk_scale, sm_scale, IS_CAUSAL: gl.constexpr,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           STAGES: gl.constexpr, PREFETCH: gl.constexpr):
-        """`_ws_warpgroup` for head dim 128 (`_ws_steps_wide`)."""
+                           STAGES: gl.constexpr, PREFETCH: gl.constexpr, D_REAL: gl.constexpr):
+        """`_ws_warpgroup` for tiles 128 wide (`_ws_steps_wide`) over D_REAL columns (the rest zeros)."""
         start_n = start_cta + ROLE * BLOCK_N
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
         mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
         k, v = _load_kv(K, V, off_z, off_hk, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh,
-                        stride_vn, n_k, HEAD_DIM, BLOCK_N, 4)
+                        stride_vn, n_k, HEAD_DIM, BLOCK_N, 4, D_REAL)
         k_smem.index(ROLE).store(k)  # also dQ's B operand, with the other warpgroup's keys
         v_smem.index(ROLE).store(v)
         fence_async_shared()
@@ -444,7 +462,7 @@ if HAVE_GLUON:
         _barrier()
         dk_out = out_smem.load(rows_layout)
         _store_dkdv(DK, DV, dk_out, dv_out, off_z, off_h, start_n, stride_dkz, stride_dkh, stride_dkn, stride_dvz,
-                    stride_dvh, stride_dvn, n_k, 1.0, HEAD_DIM, BLOCK_N, rows_layout)
+                    stride_dvh, stride_dvn, n_k, 1.0, HEAD_DIM, BLOCK_N, rows_layout, D_REAL)
 
     @gluon.jit
     def _bwd_ws_kernel(Q, K, V, DO, DK, DV, STATS, DQ_ACC,  # DQ_ACC (Z*H, N_q, d) fp32, zeroed; dQ = sm_scale DQ_ACC
@@ -453,10 +471,13 @@ if HAVE_GLUON:
                        stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
                        n_heads, kv_group, n_q, n_k, n_rows_all, causal_off, qk_scale, sm_scale,
                        IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr, WS_REGS: gl.constexpr):
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr, WS_REGS: gl.constexpr,
+                       D_REAL: gl.constexpr):
+        # HEAD_DIM: the tiles' width; D_REAL: the tensors' head dim, up to it (the columns past it zeros)
         gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
         gl.static_assert(PREFETCH < STAGES)
-        gl.static_assert((HEAD_DIM == 64) | (HEAD_DIM == 128), "head dim 64 or 128 (HEAD_DIMS)")
+        gl.static_assert((HEAD_DIM == 64) | (HEAD_DIM == 128), "tiles 64 or 128 wide (TILE_D)")
+        gl.static_assert((D_REAL == HEAD_DIM) | (HEAD_DIM == 128), "narrower head dims in the 128-wide tiles")
         # head-major 1-D grid (launch._grid): the resident programs share one head's Q, dO and dQ rows in L2
         n_blocks = gl.cdiv(n_k, 2 * BLOCK_N)
         pid = gl.program_id(0)
@@ -467,14 +488,14 @@ if HAVE_GLUON:
         dtype: gl.constexpr = Q.dtype.element_ty
         q_desc, do_desc, stats_desc = _head_descs(Q, DO, STATS, off_z, off_h, stride_qz, stride_qh, stride_qm,
                                                   stride_doz, stride_doh, stride_dom, n_q, n_rows_all, HEAD_DIM,
-                                                  BLOCK_M)
+                                                  BLOCK_M, D_REAL)
         # head dim 128: each warpgroup reduces dQ for its half of the head dim (`_ws_steps_wide`)
         WIDE: gl.constexpr = HEAD_DIM > 64
         DQ_COLS: gl.constexpr = HEAD_DIM // 2 if WIDE else HEAD_DIM
         dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
-        dq_desc = tma.make_tensor_descriptor(DQ_ACC + pid_zh.to(gl.int64) * n_q * HEAD_DIM, shape=[n_q, HEAD_DIM],
-                                             strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, DQ_COLS],
-                                             layout=dq_layout)  # rows past n_q are clipped
+        dq_desc = tma.make_tensor_descriptor(DQ_ACC + pid_zh.to(gl.int64) * n_q * D_REAL, shape=[n_q, D_REAL],
+                                             strides=[D_REAL, 1], block_shape=[BLOCK_M, DQ_COLS],
+                                             layout=dq_layout)  # rows past n_q, columns past D_REAL are clipped
         stats_row = pid_zh * n_q
         lo, n_steps = _query_steps(start_cta, n_q, causal_off, IS_CAUSAL, BLOCK_M)
         q_smem, do_smem, stats_smem, ready = _ring(STAGES, BLOCK_M, HEAD_DIM, dtype)
@@ -511,14 +532,14 @@ if HAVE_GLUON:
                                       stride_kh, stride_kn, stride_vz, stride_vh, stride_vn, stride_dkz, stride_dkh,
                                       stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k, causal_off,
                                       qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                      PREFETCH)),
+                                      PREFETCH, D_REAL)),
                 (_ws_warpgroup_wide, (1, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem,
                                       stats_smem, k_smem, v_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free,
                                       off_z, off_h, off_h // kv_group, start_cta, lo, n_steps, stats_row, stride_kz,
                                       stride_kh, stride_kn, stride_vz, stride_vh, stride_vn, stride_dkz, stride_dkh,
                                       stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k, causal_off,
                                       qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                      PREFETCH)),
+                                      PREFETCH, D_REAL)),
             ], [4], [WS_REGS])
         else:
             gl.warp_specialize([
@@ -559,5 +580,5 @@ def launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_sc
     scalars = (h, h // k.shape[1], n_q, n_k, z * h * n_q, causal_off, sm_scale * LOG2E, sm_scale)
     # two warpgroups of 64 keys per program, head by head
     _bwd_ws_kernel[(z * h * _cdiv(n_k, WS_KEYS),)](
-        q, k, v, do, dk, dv, stats, dq_acc, *strides, *scalars, IS_CAUSAL=is_causal, HEAD_DIM=q.shape[3],
-        **ws_constexprs(q.shape[3]), num_warps=4)
+        q, k, v, do, dk, dv, stats, dq_acc, *strides, *scalars, IS_CAUSAL=is_causal, **ws_constexprs(q.shape[3]),
+        num_warps=4)
