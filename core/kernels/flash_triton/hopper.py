@@ -37,14 +37,14 @@ wgmma (info C7512), and the kernel took 1.08-1.11x the time at 8192-16384 rows. 
 and V 64 KB, dS^T 32 KB, the dQ blocks 32 KB, and 3 stages of Q, dO and pairs (32.5 KB each), 226 KB of the 227 a
 program may have.
 
-Head dims 80 and 96 run in the 128-wide tiles (`TILE_D`; D_REAL the tensors' own): the TMA boxes and the K / V
-loads span 128 columns of tensors d wide, the hardware and the masks read the columns past d as zeros (which add
-nothing to any product), and the dK / dV stores and the dQ reductions stop at d (masks; the TMA clips a box at the
-tensor's edge). No padded copy; the d = 128 kernel's time.
+Head dims 80 and 96 run in the 128-wide tiles (`TILE_WIDTH`; D_REAL the tensors' own): the TMA boxes and the
+K / V loads span 128 columns of tensors d wide, the hardware and the masks read the columns past d as zeros (which
+add nothing to any product), and the dK / dV stores and the dQ reductions stop at d (masks; the TMA clips a box at
+the tensor's edge). No padded copy; the d = 128 kernel's time.
 
-Scope (`ws_applies`): compiled CUDA on sm_90, fp16 / bf16, head dim 64, 80, 96 or 128, 16-byte aligned Q / dO rows and an
-even N_q (each head's (lse2, delta) rows must start 16-byte aligned for the TMA); everything else runs the Triton
-kernels, which stay the portable version (and the ones the CPU interpreter tests).
+Scope (`ws_applies`): compiled CUDA on sm_90, fp16 / bf16, head dim 64, 80, 96 or 128, 16-byte aligned Q / dO rows
+and an even N_q (each head's (lse2, delta) rows must start 16-byte aligned for the TMA); everything else runs the
+Triton kernels, which stay the portable version (and the ones the CPU interpreter tests).
 """
 from __future__ import annotations
 
@@ -78,8 +78,8 @@ except ImportError:  # a Triton without Gluon (or without its Hopper ops)
 
 # the tiles' width by head dim: 80 and 96 run in the 128-wide tiles, their columns past d loaded as zeros by the
 # TMA and the K / V loads and never stored (the 128 kernel's time, against the two-pass kernels' at d)
-TILE_D = {64: 64, 80: 128, 96: 128, 128: 128}
-HEAD_DIMS = tuple(TILE_D)
+TILE_WIDTH = {64: 64, 80: 128, 96: 128, 128: 128}
+HEAD_DIMS = tuple(TILE_WIDTH)
 # 64 queries per step and 64 keys per warpgroup
 BLOCK_M, BLOCK_N = 64, 64
 # one-pass backward: two warpgroups (128 keys) per program, both keeping 256 registers (the ws region's
@@ -94,8 +94,9 @@ WS_REGS = 256
 
 def ws_constexprs(d: int) -> dict:
     """The compile-time arguments of `_bwd_ws_kernel` but IS_CAUSAL, for head dim d."""
-    stages, prefetch = WS_RING[TILE_D[d]]
-    return dict(HEAD_DIM=TILE_D[d], D_REAL=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, PREFETCH=prefetch,
+    width = TILE_WIDTH[d]
+    stages, prefetch = WS_RING[width]
+    return dict(HEAD_DIM=width, D_REAL=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, PREFETCH=prefetch,
                 WS_REGS=WS_REGS)
 
 
@@ -164,8 +165,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _store_dkdv(DK, DV, dk, dv, off_z, off_h, start_n, stride_dkz, stride_dkh, stride_dkn, stride_dvz,
-                    stride_dvh, stride_dvn, n_k, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, mma_d: gl.constexpr,
-                    D_REAL: gl.constexpr):
+                    stride_dvh, stride_dvn, n_k, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                    mma_d: gl.constexpr, D_REAL: gl.constexpr):
         """dK (scaled) and dV of keys start_n ... at the given strides; rows past n_k and columns past D_REAL are
         not written."""
         dtype: gl.constexpr = DK.dtype.element_ty
@@ -476,7 +477,7 @@ if HAVE_GLUON:
         # HEAD_DIM: the tiles' width; D_REAL: the tensors' head dim, up to it (the columns past it zeros)
         gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
         gl.static_assert(PREFETCH < STAGES)
-        gl.static_assert((HEAD_DIM == 64) | (HEAD_DIM == 128), "tiles 64 or 128 wide (TILE_D)")
+        gl.static_assert((HEAD_DIM == 64) | (HEAD_DIM == 128), "tiles 64 or 128 wide (TILE_WIDTH)")
         gl.static_assert((D_REAL == HEAD_DIM) | (HEAD_DIM == 128), "narrower head dims in the 128-wide tiles")
         # head-major 1-D grid (launch._grid): the resident programs share one head's Q, dO and dQ rows in L2
         n_blocks = gl.cdiv(n_k, 2 * BLOCK_N)
