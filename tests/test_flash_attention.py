@@ -1091,11 +1091,15 @@ from triton.runtime.jit import mangle_type
 from core.kernels.flash_triton import common, hopper_forward as hf
 for d in hf.HEAD_DIMS:
     d_main, d_tail = common._TILE_D[d]
-    for causal, tiles in ((True, hf.FWD_TILES), (False, hf.FWD_TILES), (True, hf.SHORT_TILES)):
-        block_n, stages, q_bufs = tiles[d]
+    for causal, tiles in ((True, hf.FWD_TILES), (False, hf.FWD_TILES), (True, hf.SHORT_TILES),
+                          (True, hf.WIDE_TILES), (False, hf.WIDE_TILES)):
+        if d not in tiles:
+            continue
+        block_n, stages, q_bufs, consumers = tiles[d]
         constexprs = dict(IS_CAUSAL=causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, STAGES=stages,
-                          Q_BUFS=q_bufs, CONSUMER_REGS=hf.CONSUMER_REGS, PRODUCER_REGS=hf.PRODUCER_REGS,
-                          PRODUCER_WARPS=hf.PRODUCER_WARPS, O_OWN=hf._o_own(d, block_n, stages, q_bufs))
+                          Q_BUFS=q_bufs, NUM_CONS=consumers,
+                          CONSUMER_REGS=hf.CONSUMER_REGS[consumers], PRODUCER_REGS=hf.PRODUCER_REGS,
+                          PRODUCER_WARPS=hf.PRODUCER_WARPS, O_OWN=hf._o_own(d, block_n, stages, q_bufs, consumers))
         types = {"LSE": "*fp32"}
         for name in ("Q", "K", "V", "O", "Q_T", "K_T", "V_T", "O_T"):  # 4-D TMA descriptors made on the host
             rows = hf.HALF_M if name[0] in "QO" else block_n
@@ -1105,19 +1109,19 @@ for d in hf.HEAD_DIMS:
         ptx = kernel.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and kernel.asm["cubin"]
         # O leaves through shared memory by TMA: a store per head-dim part in each consumer's code
-        assert ptx.count("cp.async.bulk.tensor.4d.global.shared") == (4 if d_tail else 2), d
+        assert ptx.count("cp.async.bulk.tensor.4d.global.shared") == consumers * (2 if d_tail else 1), d
         # the head dim's tail: its own wgmmas (N = the tail's width for O += P V)
         assert (f"m64n{d_tail}k16" in ptx) == bool(d_tail), d
-        # two consumer warpgroups and a producer warpgroup, registers moved between them; within shared memory
-        assert "setmaxnreg" in ptx and kernel.metadata.num_warps == 12, d
+        # consumer warpgroups and a producer warpgroup, registers moved between them; within shared memory
+        assert "setmaxnreg" in ptx and kernel.metadata.num_warps == 4 * (consumers + 1), d
         assert kernel.metadata.shared <= hf.SMEM_LIMIT, d
 print("compiled")
 """
 
 
 def test_gluon_fwd_compiles_for_sm90():
-    """The warp-specialised Gluon forward compiles for sm_90a (d = 64, 80, 96, 128, causal and not, and the short-row
-    64-key tiles) with the installed Triton, no GPU needed."""
+    """The warp-specialised Gluon forward compiles for sm_90a (d = 64, 80, 96, 128, causal and not, the short-row
+    64-key tiles and d = 64's three consumers) with the installed Triton, no GPU needed."""
     from core.kernels.flash_triton import hopper_forward
     if not hopper_forward.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
@@ -1155,29 +1159,38 @@ def test_gluon_fwd_only_where_it_applies(monkeypatch):
 
 def test_forward_policy_takes_gluon_where_it_applies(monkeypatch):
     """The forward runs the Gluon kernel where it applies (at every head dim it takes, 80 = 64 + 16 here; at 64 from
-    `hopper_fwd_d64_min_rows` query rows on), with its short-row tiles below `hopper_fwd_long_rows` query rows
-    under a causal mask (the 128-key tiles without it), unless the split-KV forward splits the call or `tiles.fwd` pins the Triton kernel; elsewhere the Triton kernels
-    (their output against float64 here)."""
-    from core.kernels.flash_triton import hopper_forward
+    `hopper_fwd_d64_min_rows` query rows on under a causal mask), with its short-row tiles below
+    `hopper_fwd_long_rows` query rows under a causal mask (the 128-key tiles without it) and its three-consumer tiles
+    from there on at d = 64, unless the split-KV forward splits the call or `tiles.fwd` pins the Triton kernel;
+    elsewhere the Triton kernels (their output against float64 here)."""
+    from core.kernels.flash_triton import hopper_forward as hf
     launched = []
 
-    def fake_launch(q, k, v, o, lse, is_causal, sm_scale, short_rows=False):
-        launched.append((q.shape[2], short_rows))
+    def fake_launch(q, k, v, o, lse, is_causal, sm_scale, tiles=None):
+        kind = {id(hf.SHORT_TILES[q.shape[3]]): "short", id(hf.FWD_TILES[q.shape[3]]): "fwd",
+                id(hf.WIDE_TILES.get(q.shape[3])): "wide"}[id(tiles)]
+        launched.append((q.shape[2], kind))
         ref, ref_lse = reference_attention(q, k, v, is_causal)
         o.copy_(ref)
         lse.copy_(ref_lse)
 
     monkeypatch.setattr(ftd, "_hopper_fwd_ok", lambda q, k, v, cfg: cfg.hopper_fwd)
-    monkeypatch.setattr(hopper_forward, "launch_fwd", fake_launch)
+    monkeypatch.setattr(hf, "launch_fwd", fake_launch)
+    monkeypatch.setattr(hf, "HEAD_DIMS", (32, 64, 80))
+    monkeypatch.setattr(hf, "FWD_TILES", {32: (128, 6, 1, 2), 64: (128, 6, 1, 2), 80: (128, 4, 1, 2)})
+    monkeypatch.setattr(hf, "SHORT_TILES", {32: (64, 8, 2, 2), 64: (64, 8, 2, 2), 80: (64, 8, 2, 2)})
+    monkeypatch.setattr(hf, "WIDE_TILES", {64: (128, 5, 1, 3)})
     cfg = FlashConfig(hopper_fwd_long_rows=64, hopper_fwd_d64_min_rows=64)
-    cases = [(64, 32, cfg, [(64, False)]), (32, 32, cfg, [(32, True)]),  # long tiles from hopper_fwd_long_rows on
-             (64, 80, cfg, [(64, False)]), (32, 80, cfg, [(32, True)]),  # 80 = 64 + 16 alike
-             (64, 64, cfg, [(64, False)]), (32, 64, cfg, []),            # d = 64 from hopper_fwd_d64_min_rows
+    cases = [(64, 32, cfg, [(64, "fwd")]), (32, 32, cfg, [(32, "short")]),  # long tiles from hopper_fwd_long_rows
+             (64, 80, cfg, [(64, "fwd")]), (32, 80, cfg, [(32, "short")]),  # 80 = 64 + 16 alike
+             (64, 64, cfg, [(64, "wide")]), (32, 64, cfg, []),  # d = 64: from hopper_fwd_d64_min_rows, three consumers
              (64, 32, cfg.replace(split_keys=16), []),          # a split-KV call stays split
              (64, 32, cfg.replace(hopper_fwd=False), []),
              (64, 32, cfg.replace(tiles={"fwd": (32, 16, 4, 1)}), [])]  # pinned tiles: the Triton forward
     cases = [(n_q, d, c, expect, True) for n_q, d, c, expect in cases]
-    cases.append((32, 32, cfg, [(32, False)], False))  # no causal mask: the 128-key tiles at short rows too
+    cases += [(32, 32, cfg, [(32, "fwd")], False),  # no causal mask: the 128-key tiles at short rows too,
+              (32, 64, cfg, [(32, "fwd")], False),  # at d = 64 at every row count,
+              (64, 64, cfg, [(64, "wide")], False)]  # with three consumers from hopper_fwd_long_rows
     for n_q, d, c, expect, causal in cases:
         launched.clear()
         q, k, v = (torch.randn(1, 2, n_q, d, device=DEVICE) for _ in range(3))
@@ -1203,10 +1216,12 @@ def test_forward_policy_takes_gluon_where_it_applies(monkeypatch):
     # more pairs of query tiles than SMs: each persistent program walks several, through both Q buffers
     ((4, 16, 1000, 128), 1000, True, torch.bfloat16, 4),
     ((4, 16, 900, 96), 900, True, torch.float16, 16),
-    ((2, 32, 640, 80), 640, False, torch.bfloat16, 8),   # five query tiles a head: the middle one unpaired
+    ((2, 32, 640, 80), 640, False, torch.bfloat16, 8),   # five query tiles a head: two heads' middle ones a unit
+    ((3, 5, 1152, 96), 1152, True, torch.bfloat16, 5),   # nine tiles a head, 15 heads: the last head's middle alone
     ((5, 15, 512, 96), 512, True, torch.float16, 5),     # 150 pairs: a round of pairs, then a tile a program
     ((2, 8, 1000, 64), 1000, True, torch.bfloat16, 2),   # d = 64 (by default only from hopper_fwd_d64_min_rows)
     ((4, 16, 515, 64), 515, False, torch.float16, 16),
+    ((3, 15, 2000, 64), 2000, True, torch.bfloat16, 5),  # three consumers: 11 tiles of 192 rows, the last ragged
 ])
 def test_gpu_gluon_fwd_matches(shape_q, n_k, causal, dtype, kv_heads, monkeypatch):
     """The warp-specialised Gluon forward (at d = 64 too: `hopper_fwd_d64_min_rows: 0`), with its short-row (64-key)

@@ -43,8 +43,8 @@ class FlashConfig:
         from this many query rows on, 64-key ones below (a short causal row's few key tiles, the last one half
         masked, pipeline better in more, smaller steps; rows without the mask see every key and take the 128-key
         tiles);
-        hopper_fwd_d64_min_rows: at head dim 64 only from this many query rows on (the Triton forward's 64-row
-        tiles win below).
+        hopper_fwd_d64_min_rows: at head dim 64 under a causal mask only from this many query rows on (the Triton
+        forward's 64-row tiles win below; without the mask the Gluon kernel wins at every length).
     split_kv: the split-KV forward on grids that leave SMs idle; split_keys forces a split length in keys on every
         call (tests); max_splits caps the splits per query tile.
     split_merge: "in_kernel" (the split that arrives last merges: one launch) or "separate" (a merge kernel: two).

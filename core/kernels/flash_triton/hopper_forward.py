@@ -4,26 +4,27 @@ persistent, and the host code that decides where it applies and launches it.
 Triton places a wait right after each asynchronous wgmma it issues, so its forward (`forward._fwd_kernel`)
 cannot overlap the softmax of one key tile with the matmuls of another. Gluon places the waits where the results
 are needed. A program stays on its SM (one per SM: shared memory holds no second) and walks query tiles of 128
-rows of one (batch, head) each, in three partitions (`gl.warp_specialize`):
+rows (192 at d = 64 from `FlashConfig.hopper_fwd_long_rows` rows: `WIDE_TILES`) of one (batch, head) each, in
+three or four partitions (`gl.warp_specialize`):
 
-- a producer warpgroup issues the TMA loads: the tile's two 64-row Q blocks into one of `Q_BUFS` buffers once
-  the consumers have done their last Q K^T with it (a ready and an empty mbarrier each), and each key tile's K
-  and V into a ring of `STAGES` shared-memory slots (a ready mbarrier for K and one for V per slot, and an empty
-  one that the consumers release). The ring runs on across query tiles, so the next tile's first loads overlap
-  this tile's last matmuls and its epilogue (which a program-per-tile launch exposes on every tile: 1.07-1.14x
-  the time at 2048 rows);
-- two consumer warpgroups, 64 query rows each, with their own online-softmax state (base 2, log2(e) folded into
-  the scale) and fp32 output accumulator in registers. Per key tile j a consumer issues S_j = Q K_j^T, then
-  O += P_{j-1} V_{j-1} (P in registers as the wgmma A operand), waits for S_j only, computes the softmax of S_j
-  while the PV matmul runs, then waits for it, releases slot j-1 and rescales O: at most two wgmma groups in
-  flight. The two warpgroups run unsynchronised, so one's softmax also overlaps the other's matmuls. A tile's
-  O / l goes into shared memory and out by one TMA store, which runs while the consumer stores the LSE and starts
-  the next tile: from an O buffer of the consumer's own where shared memory has room (`_o_own`; the Q block goes
-  back to the producer after the last S = Q K^T, and the store is waited on in the next epilogue), else from the
-  tile's Q block buffer (the last S has read it), handed back to the producer once the store has read it, at the
-  next tile's start. (Storing O from registers took 1.12-1.27x the time at S = 512-1024: scattered 4-byte stores,
-  twice the L2 write sectors, where a short-row forward is bound by memory.) Consumers keep `CONSUMER_REGS`
-  registers a thread (setmaxnreg), the producer `PRODUCER_REGS`.
+- a producer warpgroup issues the TMA loads: the tile's 64-row Q blocks, one per consumer, into one of `Q_BUFS`
+  buffers once the consumers have done their last Q K^T with it (a ready and an empty mbarrier each), and each key
+  tile's K and V into a ring of `STAGES` shared-memory slots (a ready mbarrier for K and one for V per slot, and an
+  empty one that the consumers release). The ring runs on across query tiles, so the next tile's first loads overlap
+  this tile's last matmuls and its epilogue (which a program-per-tile launch exposes on every tile: 1.07-1.14x the
+  time at 2048 rows);
+- two (or three) consumer warpgroups, 64 query rows each, with their own online-softmax state (base 2, log2(e)
+  folded into the scale) and fp32 output accumulator in registers. Per key tile j a consumer issues S_j = Q K_j^T,
+  then O += P_{j-1} V_{j-1} (P in registers as the wgmma A operand), waits for S_j only, computes the softmax of S_j
+  while the PV matmul runs, then waits for it, releases slot j-1 and rescales O: at most two wgmma groups in flight.
+  The consumers run unsynchronised, so one's softmax also overlaps the others' matmuls. A tile's O / l goes into
+  shared memory and out by one TMA store, which runs while the consumer stores the LSE and starts the next tile:
+  from an O buffer of the consumer's own where shared memory has room (`_o_own`; the Q block goes back to the
+  producer after the last S = Q K^T, and the store is waited on in the next epilogue), else from the tile's Q block
+  buffer (the last S has read it), handed back to the producer once the store has read it, at the next tile's start.
+  (Storing O from registers took 1.12-1.27x the time at S = 512-1024: scattered 4-byte stores, twice the L2 write
+  sectors, where a short-row forward is bound by memory.) Consumers keep `CONSUMER_REGS` registers a thread
+  (setmaxnreg), the producer `PRODUCER_REGS`.
 
 The TMA descriptors are 4-D, over (Z, H, N, d) at the tensors' strides, made on the host (building 2-D per-head
 ones in every program cost 20-25% at S = 512), so views such as q, k, v sliced from a fused projection are read in
@@ -37,19 +38,22 @@ compiled out. The narrow tail wgmmas cost about what the columns they skip save:
 as long as at 128 (so zero-padding to 128, not measured, might run level with it).
 
 Causal masks are bottom-right aligned (query i sees keys j <= i + n_k - n_q); each consumer masks only its
-diagonal and ragged-end tiles (and the first, peeled off the pipelined loop). Grouped-query attention: query head
-h reads KV head h // kv_group. Schedule (`_tile`): work units are pairs of one head's query tiles, the r-th from
-the end with the r-th from the start, so under a causal mask every unit has the same number of key tiles, and
-program p takes units p, p + grid, ... (head-major: the programs at work at one time share few heads' K and V in
-L2). Outputs: O in its dtype (TMA: at strides a descriptor takes), and the natural-log logsumexp (fp32,
+diagonal and ragged-end tiles (and the first, peeled off the pipelined loop); three consumers skip the key tiles
+wholly masked for their rows. Grouped-query attention: query head h reads KV head h // kv_group. Schedule
+(`_tile`): work units are pairs of one head's query tiles, the r-th from the end with the r-th from the start, so
+under a causal mask every unit has the same number of key tiles (an odd count's middle tiles go two heads to a
+unit), and program p takes units p, p + grid, ... (head-major: the programs at work at one time share few heads' K
+and V in L2). Outputs: O in its dtype (TMA: at strides a descriptor takes), and the natural-log logsumexp (fp32,
 (Z*H, N_q); -inf and output 0 for a row that sees no key).
 
 Scope (`fwd_applies`): compiled CUDA on sm_90, fp16 / bf16, head dims 64, 80, 96 and 128 (`HEAD_DIMS`), unit last
 strides and 16-byte aligned bases and (batch, head, row) strides of Q, K and V (TMA). Everything else runs the
 Triton kernels; `dispatch.flash_fwd_impl` takes this one wherever it applies and the call is not split (the
 split-KV forward serves grids that leave SMs idle), with 64-key tiles below `FlashConfig.hopper_fwd_long_rows`
-query rows (`SHORT_TILES`), and at head dim 64 only from `FlashConfig.hopper_fwd_d64_min_rows` query rows on
-(below, the Triton forward's 64-row tiles are faster: at d = 64 the exponentials, not the matmuls, bound it).
+query rows under a causal mask (`SHORT_TILES`), three consumers at d = 64 from there on (`WIDE_TILES`), and at
+head dim 64 under a causal mask only from `FlashConfig.hopper_fwd_d64_min_rows` query rows on (below, the Triton
+forward's 64-row tiles are faster: at d = 64 the exponentials, not the matmuls, bound it, and short causal rows
+leave little to overlap them with).
 """
 from __future__ import annotations
 
@@ -73,24 +77,32 @@ try:
 except ImportError:  # a Triton without Gluon (or without its Hopper ops)
     HAVE_GLUON = False
 
-# where it is faster than the Triton forward (docs/attention.md); at 64 only on long rows
+# where it is faster than the Triton forward (docs/attention.md); at 64 under a causal mask only on long rows
 # (`FlashConfig.hopper_fwd_d64_min_rows`: below, the Triton kernel's 64-row tiles win)
 HEAD_DIMS = (64, 80, 96, 128)
-# query rows per program: two consumer warpgroups of HALF_M rows
-BLOCK_M, HALF_M = 128, 64
-# (BLOCK_N keys per tile, STAGES of the K/V ring, Q_BUFS query-tile buffers) per head dim, the fastest measured
-# within the 227 KB of shared memory a program may have, with the two consumers' O buffers where they fit
-# (`_o_own`): d = 128, Q 32 KB + 3 x (K + V) 64 KB = 224 KB (no O buffers); d = 96, 2 x 24 + 3 x 48 + O 24 = 216 KB;
-# d = 80, 20 + 4 x 40 + 20 = 200 KB; d = 64, 16 + 6 x 32 + 16 = 224 KB
-FWD_TILES = {64: (128, 6, 1), 80: (128, 4, 1), 96: (128, 3, 2), 128: (128, 3, 1)}
+# query rows per consumer warpgroup; a program's query tile is `consumers` of them
+HALF_M = 64
+# (BLOCK_N keys per tile, STAGES of the K/V ring, Q_BUFS query-tile buffers, consumer warpgroups) per head dim, the
+# fastest measured within the 227 KB of shared memory a program may have, with the consumers' O buffers where they
+# fit (`_o_own`): d = 128, Q 32 KB + 3 x (K + V) 64 KB = 224 KB (no O buffers); d = 96, 2 x 24 + 3 x 48 + O 24 =
+# 216 KB; d = 80, 20 + 4 x 40 + 20 = 200 KB; d = 64, 16 + 6 x 32 + 16 = 224 KB
+FWD_TILES = {64: (128, 6, 1, 2), 80: (128, 4, 1, 2), 96: (128, 3, 2, 2), 128: (128, 3, 1, 2)}
 # ... for short rows under a causal mask (`FlashConfig.hopper_fwd_long_rows`): 64-key tiles, so a row's few key
 # tiles, the last one half masked, make more, smaller pipeline steps (0.64-0.90x the time of the 128-key tiles at
 # S = 512-1024, 1.05-1.22x from 8192); d = 128, 2 x 32 + 4 x 32 + O 32 = 224 KB; d = 96, 2 x 24 + 6 x 24 + 24 =
 # 216 KB; d = 80, 2 x 20 + 8 x 20 + 20 = 220 KB; d = 64, 2 x 16 + 8 x 16 + 16 = 176 KB
-SHORT_TILES = {64: (64, 8, 2), 80: (64, 8, 2), 96: (64, 6, 2), 128: (64, 4, 2)}
-# setmaxnreg: consumers 240 registers a thread, the producer 32 (2 x 128 x 240 + 128 x 32 = 64 K; with 24 its tile
-# arithmetic spills)
-CONSUMER_REGS, PRODUCER_REGS = 240, 32
+SHORT_TILES = {64: (64, 8, 2, 2), 80: (64, 8, 2, 2), 96: (64, 6, 2, 2), 128: (64, 4, 2, 2)}
+# ... from hopper_fwd_long_rows rows on, where three consumers pay: at d = 64 the exponentials bound a consumer
+# (a 64 x 128 score tile's 8192 exp2 take the SM's special-function units as long as its two wgmmas take the tensor
+# cores), so a third consumer's matmuls fill the others' softmax time: 0.90-0.95x the time of two from 8192 rows,
+# causal or not, and at 2048-4096 without a causal mask (level with it); FlashAttention-3 does the same at d = 64.
+# Q 24 + 5 x 32 + O 24 = 208 KB. Its 192-row tiles leave ragged ends at power-of-two lengths (12.5% of the rows
+# at 512-1024: 1.07-1.29x two consumers' time there), so short rows keep two. At d = 80 and 96 three consumers'
+# 160 registers spill with 128-key tiles (0.3-0.8 KB a thread).
+WIDE_TILES = {64: (128, 5, 1, 3)}
+# setmaxnreg, by consumer count: consumers 240 (two) or 160 (three) registers a thread, the producer 32
+# (2 x 128 x 240 + 128 x 32 = 3 x 128 x 160 + 128 x 32 = 64 K; with 24 its tile arithmetic spills)
+CONSUMER_REGS, PRODUCER_REGS = {2: 240, 3: 160}, 32
 SMEM_LIMIT = 232448  # bytes of shared memory a program may have on sm_90
 PRODUCER_WARPS = 4
 
@@ -113,24 +125,33 @@ if HAVE_GLUON:
         return 2 * n_rounds + (gl.program_id(0) < n_after).to(gl.int32)
 
     @gluon.jit
-    def _tile(k, n_units, n_pairs, n_tiles, n_heads, kv_group, n_k, causal_off, IS_CAUSAL: gl.constexpr,
+    def _tile(k, n_units, n_pairs, n_tiles, n_zh, n_heads, kv_group, n_k, causal_off, IS_CAUSAL: gl.constexpr,
               BM: gl.constexpr, BLOCK_N: gl.constexpr):
         """The program's k-th query tile: (whether it exists, batch x head, batch, head, KV head, first row, key
-        bound, key tiles). Work units, head-major, are pairs of one head's query tiles, the r-th from the end and
-        the r-th from the start: under a causal mask a pair's key tiles add up to the same count for every r, so
-        programs that take units program, program + programs, ... in rounds get equal work. Units left over from
-        the full rounds go a tile a program where they fit (the last head's middle pairs, when fewer than a head's
-        pairs are left: tiles about half as heavy as a pair), else as a last, partial round of pairs. An odd tile
-        count leaves the middle tile unpaired (its pair's second tile does not exist)."""
+        bound, key tiles). Work units are pairs of one head's query tiles, the r-th from the end and the r-th from
+        the start (n_pairs = n_tiles // 2 of them a head): under a causal mask a pair's key tiles add up to the same
+        count for every r. With an odd tile count each head's middle tile is left over, about half a pair's work;
+        two heads' middle tiles make one more unit, after the two heads' pairs (head-major: the programs at work at
+        one time share few heads' K and V in L2; a head's lone middle tile as a unit of its own left every program
+        that drew one half idle, 1.3x the time at 3 tiles a head). Programs take units program, program +
+        programs, ... in rounds, so they get equal work. Units left over from the full rounds go a tile a program
+        where they fit (fewer than half the programs: tiles about half as heavy as a unit), else as a last, partial
+        round of units."""
         n_prog = gl.num_programs(0)
         n_rounds, n_after = _rounds(n_units)
         in_rounds = (k < 2 * n_rounds).to(gl.int32)
-        after = gl.program_id(0) + n_rounds * n_prog * 2  # the program's tile after the rounds, as a pair's half
+        after = gl.program_id(0) + n_rounds * n_prog * 2  # the program's tile after the rounds, as a unit's half
         u = in_rounds * (gl.program_id(0) + (k // 2) * n_prog) + (1 - in_rounds) * (after // 2)
-        second = in_rounds * (k % 2) + (1 - in_rounds) * (after % 2)  # the pair's second, lighter tile
-        pid_zh = u // n_pairs
-        p = u % n_pairs
-        r = p + second * (n_tiles - 1 - 2 * p)  # query tiles from the end: the heavy one first
+        second = in_rounds * (k % 2) + (1 - in_rounds) * (after % 2)  # the unit's second, lighter tile
+        odd = n_tiles % 2
+        blk_units = 2 * n_pairs + odd  # units of two heads: their pairs, then their middle tiles
+        blk = u // blk_units
+        r_blk = u % blk_units
+        pair_units = gl.minimum(n_zh - 2 * blk, 2) * n_pairs  # (one head in the last block of an odd count)
+        middle = (r_blk >= pair_units).to(gl.int32)
+        pid_zh = 2 * blk + middle * second + (1 - middle) * (r_blk // gl.maximum(n_pairs, 1))
+        p = r_blk % gl.maximum(n_pairs, 1)
+        r = (1 - middle) * (p + second * (n_tiles - 1 - 2 * p)) + middle * n_pairs  # query tiles from the end
         start_m = (n_tiles - 1 - r) * BM
         off_z = pid_zh // n_heads
         off_h = pid_zh % n_heads
@@ -138,7 +159,7 @@ if HAVE_GLUON:
             hi = gl.minimum(gl.maximum(start_m + BM + causal_off, 0), n_k)
         else:
             hi = n_k
-        exists = (u < n_units) & ((second == 0) | (r > p))
+        exists = (u < n_units) & (pid_zh < n_zh)
         return exists, pid_zh, off_z, off_h, off_h // kv_group, start_m, hi, gl.cdiv(hi, BLOCK_N)
 
     @gluon.jit
@@ -175,10 +196,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
-                  vt_smem, q_ready, q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_heads, kv_group,
-                  n_k, causal_off, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr):
-        """TMA loads of the program's query tiles one after the other: a tile's K_0 / V_0, its two Q blocks once
+                  vt_smem, q_ready, q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads,
+                  kv_group, n_k, causal_off, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr, NUM_CONS: gl.constexpr):
+        """TMA loads of the program's query tiles one after the other: a tile's K_0 / V_0, its Q blocks once
         the consumers are done with the Q buffer (Q_BUFS of them in turn), then K_i / V_i of its other key tiles
         through the ring. So the next tile's loads run while the consumers finish this one. Rows past a head's
         end read as zeros."""
@@ -188,14 +209,15 @@ if HAVE_GLUON:
         it = 0  # key tiles loaded
         n_done = 0  # query tiles loaded
         for k in range(0, _walk_len(n_units)):
-            exists, pid_zh, z, h, hk, start_m, hi, n_kt = _tile(k, n_units, n_pairs, n_tiles, n_heads, kv_group,
-                                                                n_k, causal_off, IS_CAUSAL, 2 * _HALF_M, BLOCK_N)
+            exists, pid_zh, z, h, hk, start_m, hi, n_kt = _tile(k, n_units, n_pairs, n_tiles, n_zh, n_heads, kv_group,
+                                                                n_k, causal_off, IS_CAUSAL, NUM_CONS * _HALF_M,
+                                                                BLOCK_N)
             if exists:
                 if n_kt > 0:
                     _load_kv(it, 0, k_desc, v_desc, kt_desc, vt_desc, k_smem, v_smem, kt_smem, vt_smem, k_ready,
                              v_ready, empty, z, hk, kv_bytes, STAGES, D_TAIL)
-                qb = (n_done % Q_BUFS) * 2
-                for c in gl.static_range(2):
+                qb = (n_done % Q_BUFS) * NUM_CONS
+                for c in gl.static_range(NUM_CONS):
                     mbarrier.wait(q_empty.index(qb + c), ((n_done // Q_BUFS) & 1) ^ 1)
                     mbarrier.expect(q_ready.index(qb + c), q_bytes)
                     _tile_load(q_desc, qt_desc, z, h, start_m + c * _HALF_M, q_ready.index(qb + c),
@@ -330,10 +352,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _consumer(ROLE: gl.constexpr, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem,
-                  ot_smem, q_ready, q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_heads, kv_group,
-                  n_q, n_k, causal_off, qk_scale, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr,
+                  ot_smem, q_ready, q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads,
+                  kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr,
                   D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-                  O_OWN: gl.constexpr):
+                  O_OWN: gl.constexpr, NUM_CONS: gl.constexpr):
         """Rows ROLE * 64 ... of each of the program's query tiles: attention over the tile's key tiles, then O
         (by TMA, from this warpgroup's O buffer with O_OWN, else from the tile's Q buffer) and the LSE stored."""
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -347,21 +369,25 @@ if HAVE_GLUON:
         row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
         row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
         dtype: gl.constexpr = q_smem.dtype
+        # three consumers' 192-row tiles end ragged at power-of-two lengths, and under a causal mask their first
+        # rows miss the diagonal's last key tile: each consumer computes only the key tiles its rows see (with two,
+        # 128 rows over 64- or 128-key tiles, measured level with computing them all)
+        SKIP: gl.constexpr = NUM_CONS > 2
         it = 0  # key tiles consumed
         n_done = 0  # query tiles consumed
         for k in range(0, _walk_len(n_units)):
-            exists, pid_zh, off_z, off_h, off_hk, start_m, hi, n_kt = _tile(k, n_units, n_pairs, n_tiles, n_heads,
+            exists, pid_zh, off_z, off_h, off_hk, start_m, hi, n_kt = _tile(k, n_units, n_pairs, n_tiles, n_zh, n_heads,
                                                                             kv_group, n_k, causal_off, IS_CAUSAL,
-                                                                            2 * _HALF_M, BLOCK_N)
+                                                                            NUM_CONS * _HALF_M, BLOCK_N)
             if exists:
-                qb = (n_done % Q_BUFS) * 2 + ROLE
+                qb = (n_done % Q_BUFS) * NUM_CONS + ROLE
                 row0 = start_m + ROLE * _HALF_M
                 if (not O_OWN) & (n_done > 0):
                     # the previous tile's O has left its Q buffer: the producer may load a Q block into it (with
                     # one buffer, this tile's: so before the wait below)
                     tma.store_wait(0)
                     _barrier()  # (the wait is the issuing thread's: the others wait for it here)
-                    mbarrier.arrive(q_empty.index(((n_done - 1) % Q_BUFS) * 2 + ROLE), count=1)
+                    mbarrier.arrive(q_empty.index(((n_done - 1) % Q_BUFS) * NUM_CONS + ROLE), count=1)
                 mbarrier.wait(q_ready.index(qb), (n_done // Q_BUFS) & 1)
                 if O_OWN:
                     o_buf = o_smem.index(ROLE)
@@ -369,18 +395,35 @@ if HAVE_GLUON:
                 else:
                     o_buf = q_smem.index(qb)
                     ot_buf = qt_smem.index(qb)
-                if n_kt > 0:
-                    it, o, ot, m_i, l_i = _attend(it, row0, hi, q_smem.index(qb), qt_smem.index(qb),
+                # with SKIP, the key tiles this warpgroup's rows see (none past n_q: a ragged last tile's rows) of
+                # the tile's n_kt; the others it only releases, below
+                my_hi = hi
+                if SKIP:
+                    if IS_CAUSAL:
+                        my_hi = gl.minimum(gl.maximum(row0 + _HALF_M + causal_off, 0), hi)
+                    my_hi = gl.where(row0 < n_q, my_hi, 0)
+                my_kt = gl.cdiv(my_hi, BLOCK_N)
+                if my_kt > 0:
+                    it, o, ot, m_i, l_i = _attend(it, row0, my_hi, q_smem.index(qb), qt_smem.index(qb),
                                                   q_empty.index(qb), k_smem, v_smem, kt_smem, vt_smem, k_ready,
                                                   v_ready, empty, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN,
                                                   D_TAIL, BLOCK_N, STAGES, O_OWN, mma_s, mma_o, mma_t)
-                else:  # causal, n_q > n_k + the tile's rows: no key visible
+                else:  # rows past n_q, or causal with n_q > n_k + the rows: no key visible
                     if O_OWN:
                         mbarrier.arrive(q_empty.index(qb), count=1)
                     m_i = gl.full([_HALF_M], float("-inf"), gl.float32, layout=row_s)
                     l_i = gl.zeros([_HALF_M], gl.float32, layout=row_s)
                     o = gl.zeros([_HALF_M, D_MAIN], gl.float32, layout=mma_o)
                     ot = gl.zeros([_HALF_M, D_T], gl.float32, layout=mma_t)
+                if SKIP:
+                    # key tiles wholly masked for these rows: released as soon as loaded (their scores would add
+                    # exp2(-inf) = 0 and leave m unchanged), not computed
+                    for j in range(my_kt, n_kt):
+                        stage = it % STAGES
+                        mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
+                        mbarrier.wait(v_ready.index(stage), (it // STAGES) & 1)
+                        mbarrier.arrive(empty.index(stage), count=1)
+                        it += 1
                 # epilogue: O = acc / l into the O buffer (with O_OWN once the previous tile's store has read it;
                 # else the Q buffer, whose last reader, the last S = Q K^T, is done), stored by the TMA engine (rows
                 # past n_q clipped) while this warpgroup goes on; LSE natural-log
@@ -402,27 +445,28 @@ if HAVE_GLUON:
         tma.store_wait(0)  # the last O has left shared memory before the program ends
 
     @gluon.jit
-    def _fwd_ws_kernel(Q, K, V, O, Q_T, K_T, V_T, O_T, LSE,  # Q, K, V, O (and their tails Q_T, ...): 4-D TMA descriptors
+    def _fwd_ws_kernel(Q, K, V, O, Q_T, K_T, V_T, O_T, LSE,  # Q, K, V, O (their tails Q_T, ...): 4-D TMA descriptors
                        n_heads, kv_group, n_q, n_k, causal_off, qk_scale, n_zh,
                        IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, Q_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       PRODUCER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, O_OWN: gl.constexpr):
+                       PRODUCER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, O_OWN: gl.constexpr,
+                       NUM_CONS: gl.constexpr):
         gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
         # persistent: the program walks pairs of query tiles of 2 x 64 rows (`_tile`), head-major
-        n_tiles = gl.cdiv(n_q, 2 * _HALF_M)
-        n_pairs = (n_tiles + 1) // 2
-        n_units = n_zh * n_pairs
+        n_tiles = gl.cdiv(n_q, NUM_CONS * _HALF_M)
+        n_pairs = n_tiles // 2  # pairs of query tiles a head, and two heads' middle tiles a unit (`_tile`)
+        n_units = (n_zh // 2) * (2 * n_pairs + n_tiles % 2) + (n_zh % 2) * (n_pairs + n_tiles % 2)
         dtype: gl.constexpr = Q.dtype
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HALF_M, D_MAIN], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_MAIN], dtype)
         # Q_BUFS buffers of the two consumers' Q blocks (buffer b, consumer c at index 2 b + c)
-        q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, _HALF_M, D_MAIN], q_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [NUM_CONS * Q_BUFS, _HALF_M, D_MAIN], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_MAIN], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_MAIN], kv_layout)
         if D_TAIL > 0:  # the head dim's tail columns, in buffers of their own width
             qt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HALF_M, D_TAIL], dtype)
             kvt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_TAIL], dtype)
-            qt_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, _HALF_M, D_TAIL], qt_layout)
+            qt_smem = gl.allocate_shared_memory(dtype, [NUM_CONS * Q_BUFS, _HALF_M, D_TAIL], qt_layout)
             kt_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_TAIL], kvt_layout)
             vt_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_TAIL], kvt_layout)
         else:  # never read
@@ -430,47 +474,68 @@ if HAVE_GLUON:
             kt_smem = k_smem
             vt_smem = v_smem
         if O_OWN:  # an O buffer per consumer (`_o_own`), else O goes out through the tile's Q buffer
-            o_smem = gl.allocate_shared_memory(dtype, [2, _HALF_M, D_MAIN], q_layout)
+            o_smem = gl.allocate_shared_memory(dtype, [NUM_CONS, _HALF_M, D_MAIN], q_layout)
             if D_TAIL > 0:
-                ot_smem = gl.allocate_shared_memory(dtype, [2, _HALF_M, D_TAIL], qt_layout)
+                ot_smem = gl.allocate_shared_memory(dtype, [NUM_CONS, _HALF_M, D_TAIL], qt_layout)
             else:
                 ot_smem = o_smem
         else:  # never read
             o_smem = q_smem
             ot_smem = qt_smem
-        q_ready = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONS * Q_BUFS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONS * Q_BUFS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2 * Q_BUFS):
+        for i in gl.static_range(NUM_CONS * Q_BUFS):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)  # released by both consumers
+            mbarrier.init(empty.index(i), count=NUM_CONS)  # released by every consumer
         fence_async_shared()
         # (the argument tuples are spelled out: a tuple built in Gluon code drops its constexprs)
-        gl.warp_specialize([
-            (_consumer, (0, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
-                         q_ready, q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_heads, kv_group, n_q,
-                         n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, O_OWN)),
-            (_consumer, (1, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
-                         q_ready, q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_heads, kv_group, n_q,
-                         n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, O_OWN)),
-            (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
-                         q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_heads, kv_group, n_k,
-                         causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS)),
-        ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+        if NUM_CONS == 3:
+            gl.warp_specialize([
+                (_consumer, (0, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
+                             q_ready, q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads,
+                             kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES,
+                             Q_BUFS, O_OWN, NUM_CONS)),
+                (_consumer, (1, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
+                             q_ready, q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads,
+                             kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES,
+                             Q_BUFS, O_OWN, NUM_CONS)),
+                (_consumer, (2, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
+                             q_ready, q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads,
+                             kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES,
+                             Q_BUFS, O_OWN, NUM_CONS)),
+                (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
+                             q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads, kv_group, n_k,
+                             causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, NUM_CONS)),
+            ], [4, 4, PRODUCER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (0, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
+                             q_ready, q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads,
+                             kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES,
+                             Q_BUFS, O_OWN, NUM_CONS)),
+                (_consumer, (1, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
+                             q_ready, q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads,
+                             kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES,
+                             Q_BUFS, O_OWN, NUM_CONS)),
+                (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
+                             q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads, kv_group, n_k,
+                             causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, NUM_CONS)),
+            ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ---------------------------------------------------------------------- host side
-def _o_own(d: int, block_n: int, stages: int, q_bufs: int) -> bool:
+def _o_own(d: int, block_n: int, stages: int, q_bufs: int, consumers: int = 2) -> bool:
     """Whether a tile set leaves room for an O buffer per consumer: then a tile's Q buffer goes back to the producer
     after the last S = Q K^T, not after the O store (with one Q buffer that delays the next tile's Q load: 1.08-1.11x
     the time at d = 64 from 8192 rows), and a store's wait moves to the next tile's epilogue."""
-    q_o_kv = (2 * q_bufs + 2) * HALF_M * d + 2 * stages * block_n * d  # elements (2 bytes) of Q, O, K and V
+    q_o_kv = consumers * (q_bufs + 1) * HALF_M * d + 2 * stages * block_n * d  # elements (2 bytes) of Q, O, K and V
     return 2 * q_o_kv <= SMEM_LIMIT - 1024  # less the mbarriers' kilobyte at most
 
 
@@ -504,15 +569,24 @@ def _host_desc(t: Tensor, rows: int):
                             _box_layout(rows, d, t.dtype == torch.bfloat16))
 
 
+def fwd_tiles(d: int, n_q: int, is_causal: bool, long_rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, STAGES, Q_BUFS, consumers) for a forward of n_q query rows: `SHORT_TILES` under a causal mask below
+    long_rows rows (`FlashConfig.hopper_fwd_long_rows`), from there on `WIDE_TILES` where the head dim has them,
+    else `FWD_TILES`."""
+    if n_q < long_rows:
+        return (SHORT_TILES if is_causal else FWD_TILES)[d]
+    return WIDE_TILES.get(d, FWD_TILES[d])
+
+
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, sm_scale: float,
-               short_rows: bool = False) -> None:
+               tiles: tuple[int, int, int, int] | None = None) -> None:
     """O (preallocated like q, or at any strides a TMA descriptor takes: unit last, 16-byte aligned base and
     others) and lse ((Z, H, N_q) fp32, contiguous) of attention on 4-D (Z, H, N, d) q, k, v (k, v: H / kv_group
-    heads), where `fwd_applies`; short_rows: `SHORT_TILES`."""
+    heads), where `fwd_applies`; tiles: (BLOCK_N, STAGES, Q_BUFS, consumers), `FWD_TILES`' by default."""
     z, h, n_q, d = q.shape
     n_k = k.shape[2]
     d_main, d_tail = common._TILE_D[d]
-    block_n, stages, q_bufs = (SHORT_TILES if short_rows else FWD_TILES)[d]
+    block_n, stages, q_bufs, consumers = tiles or FWD_TILES[d]
     causal_off = n_k - n_q if is_causal else 0
     boxes = ((q, HALF_M), (k, block_n), (v, block_n), (o, HALF_M))  # (tensor, rows a load or store takes)
     descs = [_host_desc(t[..., :d_main] if d_tail else t, rows) for t, rows in boxes]
@@ -520,9 +594,10 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causa
     tails = [_host_desc(t[..., d_main:], rows) for t, rows in boxes] if d_tail else descs
     # persistent: a program an SM (their shared memory allows no second); on a grid of fewer than half as many
     # pairs of query tiles, a tile a program (`_tile`)
-    n_units = z * h * _cdiv(_cdiv(n_q, BLOCK_M), 2)
+    n_units = _cdiv(z * h * _cdiv(n_q, consumers * HALF_M), 2)  # about half the query tiles (`_tile`)
     _fwd_ws_kernel[(min(2 * n_units, launch._sm_count(q.device)),)](
         *descs, *tails, lse, h, h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E, z * h,
         IS_CAUSAL=is_causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, STAGES=stages, Q_BUFS=q_bufs,
-        O_OWN=_o_own(d, block_n, stages, q_bufs),
-        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PRODUCER_WARPS=PRODUCER_WARPS, num_warps=4)
+        O_OWN=_o_own(d, block_n, stages, q_bufs, consumers), NUM_CONS=consumers,
+        CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS, PRODUCER_WARPS=PRODUCER_WARPS,
+        num_warps=4)
