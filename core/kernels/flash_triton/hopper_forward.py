@@ -95,7 +95,8 @@ SHORT_TILES = {64: (64, 8, 2, 2), 80: (64, 8, 2, 2), 96: (64, 6, 2, 2), 128: (64
 # ... from hopper_fwd_long_rows rows on, where three consumers pay: at d = 64 the exponentials bound a consumer
 # (a 64 x 128 score tile's 8192 exp2 take the SM's special-function units as long as its two wgmmas take the tensor
 # cores), so a third consumer's matmuls fill the others' softmax time: 0.90-0.95x the time of two from 8192 rows,
-# causal or not, and at 2048-4096 without a causal mask (level with it); FlashAttention-3 does the same at d = 64.
+# causal or not, 0.88-1.00x at 2048-4096 without a causal mask, level at 4096 with one (FlashAttention-3 does the
+# same at d = 64).
 # Q 24 + 5 x 32 + O 24 = 208 KB. Its 192-row tiles leave ragged ends at power-of-two lengths (12.5% of the rows
 # at 512-1024: 1.07-1.29x two consumers' time there), so short rows keep two. At d = 80 and 96 three consumers'
 # 160 registers spill with 128-key tiles (0.3-0.8 KB a thread).
