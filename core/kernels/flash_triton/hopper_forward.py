@@ -496,7 +496,8 @@ if HAVE_GLUON:
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=NUM_CONS)  # released by every consumer
         fence_async_shared()
-        # (the argument tuples are spelled out: a tuple built in Gluon code drops its constexprs)
+        # (the argument tuples are spelled out, once per consumer count: a tuple or list built in Gluon code drops
+        # its constexprs, so the partitions cannot be assembled in a loop)
         if NUM_CONS == 3:
             gl.warp_specialize([
                 (_consumer, (0, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
@@ -532,7 +533,7 @@ if HAVE_GLUON:
 
 
 # ---------------------------------------------------------------------- host side
-def _o_own(d: int, block_n: int, stages: int, q_bufs: int, consumers: int = 2) -> bool:
+def _o_own(d: int, block_n: int, stages: int, q_bufs: int, consumers: int) -> bool:
     """Whether a tile set leaves room for an O buffer per consumer: then a tile's Q buffer goes back to the producer
     after the last S = Q K^T, not after the O store (with one Q buffer that delays the next tile's Q load: 1.08-1.11x
     the time at d = 64 from 8192 rows), and a store's wait moves to the next tile's epilogue."""
