@@ -1167,8 +1167,8 @@ def test_forward_policy_takes_gluon_where_it_applies(monkeypatch):
     launched = []
 
     def fake_launch(q, k, v, o, lse, is_causal, sm_scale, tiles=None):
-        kind = {id(hf.SHORT_TILES[q.shape[3]]): "short", id(hf.FWD_TILES[q.shape[3]]): "fwd",
-                id(hf.WIDE_TILES.get(q.shape[3])): "wide"}[id(tiles)]
+        d = q.shape[3]
+        kind = {hf.SHORT_TILES[d]: "short", hf.FWD_TILES[d]: "fwd", hf.WIDE_TILES.get(d): "wide"}[tiles]
         launched.append((q.shape[2], kind))
         ref, ref_lse = reference_attention(q, k, v, is_causal)
         o.copy_(ref)

@@ -596,7 +596,7 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causa
     tails = [_host_desc(t[..., d_main:], rows) for t, rows in boxes] if d_tail else descs
     # persistent: a program an SM (their shared memory allows no second); on a grid of fewer than half as many
     # pairs of query tiles, a tile a program (`_tile`)
-    n_units = _cdiv(z * h * _cdiv(n_q, consumers * HALF_M), 2)  # about half the query tiles (`_tile`)
+    n_units = _cdiv(z * h * _cdiv(n_q, consumers * HALF_M), 2)  # the kernel's work units (`_tile`): half the tiles
     _fwd_ws_kernel[(min(2 * n_units, launch._sm_count(q.device)),)](
         *descs, *tails, lse, h, h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E, z * h,
         IS_CAUSAL=is_causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, STAGES=stages, Q_BUFS=q_bufs,
