@@ -151,8 +151,7 @@ def run_timings(lines: list[str], shapes: list[tuple[int, int, int]], d: int) ->
                 oc = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
                 t["bwd_cudnn"] = bench(lambda: torch.autograd.grad(oc, (qg, kg, vg), do, retain_graph=True))
             # the default policy: the Gluon forward (at d = 64 from hopper_fwd_d64_min_rows), and the backward
-            # `dispatch._default_bwd` picks (the Gluon one from ws_min_rows / ws_min_rows_wide / ws_min_rows_padded
-            # rows)
+            # `dispatch._default_bwd` picks (the Gluon one from `ws_min_rows` rows at the head dim)
             cfg = FlashConfig()
             fwd = t["fwd_gluon"] if d != 64 or s >= cfg.hopper_fwd_d64_min_rows else t["fwd_triton"]
             bwd = t["bwd_gluon"] if ftd._default_bwd(q, k, do, cfg) == ftd.BWD_ATOMIC_DQ else t["bwd_triton"]

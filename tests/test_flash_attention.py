@@ -783,10 +783,20 @@ import sys
 from core.kernels.flash_triton import hopper as fg
 head_dim = int(sys.argv[1])
 assert head_dim in fg.HEAD_DIMS
+import torch
+from triton.runtime.jit import mangle_type
 constexprs = dict(IS_CAUSAL=True, **fg.ws_constexprs(head_dim))
-kernel = compile_sm90(fg._bwd_ws_kernel, constexprs, {"STATS": "*fp32", "DQ_ACC": "*fp32"})
+width = fg.TILE_WIDTH[head_dim]
+boxes = {"q_desc": (torch.bfloat16, (1, 1, fg.BLOCK_M, width)), "do_desc": (torch.bfloat16, (1, 1, fg.BLOCK_M, width)),
+         "dq_desc": (torch.float32, (1, 1, fg.BLOCK_M, width // 2 if width > 64 else width))}
+types = {name: mangle_type(fg.tma_desc(torch.empty(1, 1, 64, head_dim, dtype=dtype), box))
+         for name, (dtype, box) in boxes.items()}  # descriptors made on the host (`launch_ws`)
+types["stats_desc"] = mangle_type(fg.tma_desc(torch.empty(128), (2 * fg.BLOCK_M,), swizzled=False))
+kernel = compile_sm90(fg._bwd_ws_kernel, constexprs, types)
 ptx = kernel.asm["ptx"]
 assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and kernel.asm["cubin"]
+# no descriptor made on the device (per program they cost where its work is short)
+assert "tensormap.replace" not in ptx
 # dQ parts added with bulk tensor reductions, from two warpgroups (8 warps), within Hopper's 227 KB per program
 assert "cp.reduce.async.bulk.tensor" in ptx and kernel.metadata.num_warps == 8
 assert kernel.metadata.shared <= 232448, kernel.metadata.shared
@@ -859,32 +869,29 @@ def test_gluon_ws_only_where_it_applies(monkeypatch):
 
 
 def test_default_backward_policy(monkeypatch):
-    """"auto": fused on small grids, the warp-specialised backward from `ws_min_rows` rows (`ws_min_rows_wide` at
-    head dim 128, `ws_min_rows_padded` at 80 and 96) where it applies (but not under torch.use_deterministic_algorithms), else two passes; another
-    `backward` pins its variant."""
+    """"auto": fused on small grids, the warp-specialised backward from `ws_min_rows` rows, by head dim, where it
+    applies (but not under torch.use_deterministic_algorithms), else two passes; another `backward` pins its
+    variant."""
     monkeypatch.setattr(ftd, "_ws_ok", lambda q, do, d, cfg: cfg.hopper_ws)
-    rows = FlashConfig().ws_min_rows
-    long = torch.empty(1, 16, rows, 64, dtype=torch.bfloat16)
-    short = torch.empty(1, 16, rows // 2, 64, dtype=torch.bfloat16)
+    by_d = dict(FlashConfig().ws_min_rows)
+    assert set(by_d) == {64, 80, 96, 128}  # every head dim the Gluon backward takes has a threshold
+    for d, rows in by_d.items():
+        # 4 x 16 heads: grids too large for the fused backward
+        at, below = (torch.empty(4, 16, n, d, dtype=torch.bfloat16) for n in (rows, rows // 2))
+        assert ftd._default_bwd(at, at, at) == ft.BWD_ATOMIC_DQ, d
+        assert ftd._default_bwd(below, below, below) == ft.BWD_TWO_PASS, d
+        assert ftd._default_bwd(below, below, below, FlashConfig(ws_min_rows={d: rows // 2})) == ft.BWD_ATOMIC_DQ
+        assert ftd._default_bwd(at, at, at, FlashConfig(ws_min_rows={d: 2 * rows})) == ft.BWD_TWO_PASS
+        # a head dim the mapping does not name never takes it; one number applies to every head dim
+        assert ftd._default_bwd(at, at, at, FlashConfig(ws_min_rows={d + 1: 0})) == ft.BWD_TWO_PASS
+        assert ftd._default_bwd(below, below, below, FlashConfig(ws_min_rows=0)) == ft.BWD_ATOMIC_DQ
+    # the 128-wide tiles do 1.6x d = 80's matmul work: they pay only from longer rows than at 64, 96 and 128
+    assert by_d[80] > max(by_d[64], by_d[96], by_d[128])
+    long = torch.empty(4, 16, by_d[64], 64, dtype=torch.bfloat16)
+    short = torch.empty(4, 16, by_d[64] // 2, 64, dtype=torch.bfloat16)
     small = torch.empty(1, 1, 256, 64, dtype=torch.bfloat16)
-    assert ftd._default_bwd(long, long, long) == ft.BWD_ATOMIC_DQ
-    assert ftd._default_bwd(short, short, short) == ft.BWD_TWO_PASS
-    assert ftd._default_bwd(short, short, short, FlashConfig(ws_min_rows=rows // 2)) == ft.BWD_ATOMIC_DQ
     assert ftd._default_bwd(small, small, small) == ft.BWD_FUSED
     assert ftd._default_bwd(long, long, long, FlashConfig(hopper_ws=False)) == ft.BWD_TWO_PASS
-    wide_rows = FlashConfig().ws_min_rows_wide
-    assert wide_rows < rows  # the Gluon backward pays from shorter rows at head dim 128
-    wide, wide_short = (torch.empty(1, 16, n, 128, dtype=torch.bfloat16) for n in (wide_rows, wide_rows // 2))
-    assert ftd._default_bwd(wide, wide, wide) == ft.BWD_ATOMIC_DQ
-    assert ftd._default_bwd(wide_short, wide_short, wide_short) == ft.BWD_TWO_PASS
-    assert ftd._default_bwd(wide, wide, wide, FlashConfig(ws_min_rows_wide=2 * wide_rows)) == ft.BWD_TWO_PASS
-    padded_rows = FlashConfig().ws_min_rows_padded
-    for d in (80, 96):  # the 128-wide tiles pay at these head dims only from longer rows
-        at, below = (torch.empty(1, 16, n, d, dtype=torch.bfloat16) for n in (padded_rows, padded_rows // 2))
-        assert ftd._default_bwd(at, at, at) == ft.BWD_ATOMIC_DQ
-        assert ftd._default_bwd(below, below, below) == ft.BWD_TWO_PASS
-        assert ftd._default_bwd(below, below, below, FlashConfig(ws_min_rows_padded=padded_rows // 2)) \
-            == ft.BWD_ATOMIC_DQ
     for name, code in (("two_pass", ft.BWD_TWO_PASS), ("atomic_dq", ft.BWD_ATOMIC_DQ), ("fused", ft.BWD_FUSED)):
         for x in (long, short, small):
             assert ftd._default_bwd(x, x, x, FlashConfig(backward=name)) == code
@@ -955,8 +962,8 @@ def test_gpu_default_backward_is_ws_for_long_rows():
     if not _gluon_usable():
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
     torch.manual_seed(13)
-    # 4 heads: a grid too large for the fused backward
-    q, k, v = (torch.randn(1, 4, FlashConfig().ws_min_rows, 64, device="cuda", dtype=torch.bfloat16)
+    # 2 x 8 heads: a grid too large for the fused backward
+    q, k, v = (torch.randn(2, 8, FlashConfig().ws_rows(64), 64, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))
     do = torch.randn_like(q)
     assert ftd._default_bwd(q, k, do) == ft.BWD_ATOMIC_DQ
@@ -1038,6 +1045,12 @@ def test_config_yaml_is_the_default_config():
     cfg = instantiate(node).config
     assert cfg.backward == "two_pass" and cfg.tile("fwd") == (128, 64, 8, 3, 168) and cfg.tile("dq") is None
     assert FlashConfig.from_key(cfg.key) == cfg and hash(cfg) == hash(FlashConfig.from_key(cfg.key))
+    node.config.ws_min_rows = {64: 512, 128: 0}  # by head dim, through the key (JSON names them as strings)
+    cfg = instantiate(node).config
+    assert cfg.ws_rows(64) == 512 and cfg.ws_rows(128) == 0 and cfg.ws_rows(96) is None
+    assert FlashConfig.from_key(cfg.key) == cfg
+    assert FlashConfig().with_overrides("ws_min_rows=64:512/128:0") == FlashConfig(ws_min_rows={128: 0, 64: 512})
+    assert FlashConfig().with_overrides("ws_min_rows=0").ws_rows(80) == 0
 
 
 @needs_triton
@@ -1066,8 +1079,9 @@ def test_plugin_passes_its_config(monkeypatch):
     (dict(max_splits=1), "attention_impl.config.max_splits"),
     (dict(split_keys=0), "attention_impl.config.split_keys"),
     (dict(ws_min_rows=-1), "attention_impl.config.ws_min_rows"),
-    (dict(ws_min_rows_wide=-1), "attention_impl.config.ws_min_rows_wide"),
-    (dict(ws_min_rows_padded=-1), "attention_impl.config.ws_min_rows_padded"),
+    (dict(ws_min_rows={64: -1}), "attention_impl.config.ws_min_rows"),
+    (dict(ws_min_rows={"sixty-four": 2048}), "attention_impl.config.ws_min_rows"),
+    (dict(ws_min_rows="2048"), "attention_impl.config.ws_min_rows"),
 ])
 def test_config_refuses_bad_values(kwargs, key):
     with pytest.raises(ConfigError) as err:
@@ -1088,7 +1102,7 @@ def test_config_overrides():
 _GLUON_FWD_COMPILE = """
 import torch
 from triton.runtime.jit import mangle_type
-from core.kernels.flash_triton import common, hopper_forward as hf
+from core.kernels.flash_triton import common, hopper, hopper_forward as hf
 for d in hf.HEAD_DIMS:
     d_main, d_tail = common._TILE_D[d]
     for causal, tiles in ((True, hf.FWD_TILES), (False, hf.FWD_TILES), (True, hf.SHORT_TILES),
@@ -1104,7 +1118,8 @@ for d in hf.HEAD_DIMS:
         for name in ("Q", "K", "V", "O", "Q_T", "K_T", "V_T", "O_T"):  # 4-D TMA descriptors made on the host
             rows = hf.HALF_M if name[0] in "QO" else block_n
             width = d_tail if name.endswith("_T") and d_tail else d_main
-            types[name] = mangle_type(hf._host_desc(torch.empty(1, 1, rows, width, dtype=torch.bfloat16), rows))
+            types[name] = mangle_type(hopper.tma_desc(torch.empty(1, 1, rows, width, dtype=torch.bfloat16),
+                                                      (1, 1, rows, width)))
         kernel = compile_sm90(hf._fwd_ws_kernel, constexprs, types)
         ptx = kernel.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and kernel.asm["cubin"]

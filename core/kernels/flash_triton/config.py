@@ -19,6 +19,9 @@ from typing import Any, Mapping
 from core.errors import ConfigError
 
 TILE_KERNELS = ("fwd", "dq", "dkdv", "fused")
+# "auto"'s Gluon backward from these query rows on, by head dim (80, 96 in its 128-wide tiles; docs/attention.md)
+WS_MIN_ROWS = {64: 2048, 80: 8192, 96: 2048, 128: 1024}
+_WS_DEFAULT = tuple(sorted(WS_MIN_ROWS.items()))
 BACKWARDS = ("auto", "two_pass", "atomic_dq", "fused")
 SPLIT_MERGES = ("in_kernel", "separate")
 _KEY = "attention_impl.config"
@@ -35,9 +38,9 @@ class FlashConfig:
         or one variant for every call: "two_pass", "atomic_dq", "fused".
     fused_max_tiles / fused_max_tiles_wide: "auto" takes the fused backward up to this many batch x heads x 64-row
         tiles, for head dims <= 64 / above 64.
-    hopper_ws: the warp-specialised Gluon backward on sm_90 (the atomic-dQ variant's kernel there, and "auto"'s
-        choice from `ws_min_rows` query rows on at head dim 64, from `ws_min_rows_wide` at 128, from
-        `ws_min_rows_padded` at 80 and 96, which run in its 128-wide tiles).
+    hopper_ws: the warp-specialised Gluon backward on sm_90 (the atomic-dQ variant's kernel there).
+    ws_min_rows: "auto" takes that kernel from this many query rows on, by head dim ({64: 2048, ...}; a head dim
+        not named: never), or one number for every head dim it takes.
     hopper_fwd: the warp-specialised Gluon forward on sm_90 where it applies (`hopper_forward.fwd_applies`), on
         grids the split-KV forward would not split; hopper_fwd_long_rows: under a causal mask, its 128-key tiles
         from this many query rows on, 64-key ones below (a short causal row's few key tiles, the last one half
@@ -58,9 +61,9 @@ class FlashConfig:
     fused_max_tiles: int = 256
     fused_max_tiles_wide: int = 128
     hopper_ws: bool = True
-    ws_min_rows: int = 8192
-    ws_min_rows_wide: int = 2048
-    ws_min_rows_padded: int = 8192
+    # a mapping is kept as sorted (head dim, rows) pairs, like tiles
+    ws_min_rows: Mapping[int, int] | tuple[tuple[int, int], ...] | int = field(
+        default_factory=lambda: dict(WS_MIN_ROWS))
     hopper_fwd: bool = True
     hopper_fwd_long_rows: int = 2048
     hopper_fwd_d64_min_rows: int = 8192
@@ -91,9 +94,9 @@ class FlashConfig:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{_KEY}.{name}", f"unknown value {getattr(self, name)!r}",
                                   f"use one of {', '.join(allowed)}")
-        for name in ("fused_max_tiles", "fused_max_tiles_wide", "ws_min_rows", "ws_min_rows_wide",
-                     "ws_min_rows_padded", "hopper_fwd_long_rows", "hopper_fwd_d64_min_rows", "max_splits",
-                     "short_row_tiles"):
+        object.__setattr__(self, "ws_min_rows", _rows_by_head_dim(self.ws_min_rows, f"{_KEY}.ws_min_rows"))
+        for name in ("fused_max_tiles", "fused_max_tiles_wide", "hopper_fwd_long_rows", "hopper_fwd_d64_min_rows",
+                     "max_splits", "short_row_tiles"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ConfigError(f"{_KEY}.{name}", f"{getattr(self, name)!r} is not a non-negative integer",
                                   "give a whole number >= 0")
@@ -114,12 +117,19 @@ class FlashConfig:
                 return cfg
         return None
 
+    def ws_rows(self, d: int) -> int | None:
+        """The query rows from which "auto" takes the Gluon backward at head dim d (None: never)."""
+        if isinstance(self.ws_min_rows, int):
+            return self.ws_min_rows
+        return dict(self.ws_min_rows).get(d)
+
     def replace(self, **changes: Any) -> "FlashConfig":
         return dataclasses.replace(self, **changes)
 
     def with_overrides(self, spec: str) -> "FlashConfig":
         """This config with `key=value` pairs applied, comma-separated: field names (`backward=fused`,
-        `hopper_ws=0`, `split_merge=separate`) or a kernel's tiles (`fwd=128x64x8x3`, `dkdv=64x64x4x3x168`)."""
+        `hopper_ws=0`, `split_merge=separate`, `ws_min_rows=64:2048/128:1024`) or a kernel's tiles
+        (`fwd=128x64x8x3`, `dkdv=64x64x4x3x168`)."""
         changes: dict[str, Any] = {}
         tiles = dict(self.tiles)
         names = {f.name: f for f in fields(self)}
@@ -141,6 +151,21 @@ class FlashConfig:
         return _from_key(key)
 
 
+def _rows_by_head_dim(value: Any, key: str) -> tuple[tuple[int, int], ...] | int:
+    """A row threshold: one non-negative number, or a mapping head dim -> number (as sorted pairs)."""
+    fix = "give a number of rows >= 0, or a mapping head dim -> rows, e.g. {64: 2048, 128: 1024}"
+    if isinstance(value, Mapping) or isinstance(value, tuple):
+        try:
+            pairs = tuple(sorted((int(d), rows) for d, rows in dict(value).items()))
+        except (TypeError, ValueError):
+            raise ConfigError(key, f"{value!r} is not a mapping of head dims to rows", fix) from None
+        if all(isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0 and d > 0 for d, rows in pairs):
+            return pairs
+    elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ConfigError(key, f"{value!r} is not a row count or a mapping of head dims to row counts", fix)
+
+
 def _to_key(cfg: FlashConfig) -> str:
     """The fields that differ from their defaults, as compact JSON ("" for the default config)."""
     changed = {}
@@ -149,6 +174,9 @@ def _to_key(cfg: FlashConfig) -> str:
         if f.name == "tiles":
             if value:
                 changed["tiles"] = {k: list(v) for k, v in value}
+        elif f.name == "ws_min_rows":
+            if value != _WS_DEFAULT:
+                changed[f.name] = dict(value) if isinstance(value, tuple) else value
         elif value != f.default:
             changed[f.name] = value
     return json.dumps(changed, sort_keys=True, separators=(",", ":")) if changed else ""
@@ -161,6 +189,10 @@ def _parse(value: str, current: Any, name: str) -> Any:
         if value.lower() in ("0", "false", "no", "off"):
             return False
         raise ConfigError(f"{_KEY}.{name}", f"{value!r} is not a boolean", "use 0/1 or true/false")
+    if name == "ws_min_rows":  # 2048, or 64:2048/128:1024
+        if ":" not in value:
+            return int(value)
+        return {int(d): int(rows) for d, rows in (pair.split(":") for pair in value.split("/"))}
     if isinstance(current, int) or name == "split_keys":
         if value.lower() in ("none", "null", ""):
             return None

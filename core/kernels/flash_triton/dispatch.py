@@ -209,21 +209,22 @@ def _ws_ok(q: Tensor, do: Tensor, d: int, cfg: FlashConfig = DEFAULT_CONFIG) -> 
 
 def _default_bwd(q4: Tensor, k4: Tensor, do4: Tensor, cfg: FlashConfig = DEFAULT_CONFIG) -> int:
     """The backward variant for these 4-D operands: `cfg.backward` unless "auto". "auto": the fused kernel on
-    small grids (`_use_fused`), the warp-specialised Gluon kernel on Hopper from `cfg.ws_min_rows` query rows at
-    head dim 64, `cfg.ws_min_rows_wide` at 128, `cfg.ws_min_rows_padded` at 80 and 96 (the 128-wide tiles)
-    (measured on the H100, causal, time against the two-pass backward: d = 64, 0.85x at 32768-65536 rows with
-    B = H = 1, 0.92-1.01x at 8192 rows (batch x heads 4-16), 0.97x at (16, 4096) and 1.1-1.6x at 512-2048 rows,
-    where the per-program set-up, the delta kernel and the dQ cast weigh more; d = 128, 0.85x at 4096, 0.93x at
-    2048, 1.05x at 1024, 1.24x at 512; d = 96, 0.87-0.88x at 8192-16384, 1.00x at 4096, 1.11x at 2048; d = 80,
-    0.99-1.00x at 8192-16384, 1.08-1.32x below), else two passes. The Gluon kernel's
-    fp32 reductions add in any order: not under torch.use_deterministic_algorithms."""
+    small grids (`_use_fused`), the warp-specialised Gluon kernel on Hopper from `cfg.ws_rows(d)` query rows on,
+    else two passes. Measured on the H100 (bf16, batch x heads x rows about 16 x 1M, causal), the Gluon kernel's
+    time against the two-pass backward's at 512 / 1024 / 2048 / 4096 / 8192 rows: d = 64, 1.34 / 1.10 / 0.99 / 0.90
+    / 0.86x (without the mask 1.22x at 512, 0.98x at 2048); d = 80, 1.27 / 1.12 / 1.05 / 1.04 / 1.01x; d = 96,
+    1.20 / 1.05 / 0.99 / 0.94 / 0.90x; d = 128, 1.10 / 0.95 / 0.91 / - / 0.84x. On short rows its fixed costs
+    weigh more (the delta kernel, the fp32 dQ buffer's zeros and cast, a program's set-up); at d = 80 its 128-wide
+    tiles do 1.6x the matmul work. The Gluon kernel's fp32 reductions add in any order: not under
+    torch.use_deterministic_algorithms."""
     if cfg.backward != "auto":
         return _BWD_NAMES[cfg.backward]
     z, h, n_q, d = q4.shape
     if _use_fused(z * h, n_q, k4.shape[2], d, cfg):
         return BWD_FUSED
-    min_rows = cfg.ws_min_rows if d <= 64 else cfg.ws_min_rows_wide if d == 128 else cfg.ws_min_rows_padded
-    if n_q >= min_rows and not torch.are_deterministic_algorithms_enabled() and _ws_ok(q4, do4, d, cfg):
+    min_rows = cfg.ws_rows(d)
+    if min_rows is not None and n_q >= min_rows and not torch.are_deterministic_algorithms_enabled() \
+            and _ws_ok(q4, do4, d, cfg):
         return BWD_ATOMIC_DQ
     return BWD_TWO_PASS
 

@@ -24,7 +24,8 @@ shape: with 64 keys per program (one warpgroup) the reductions alone filled L2 (
 throughput) and the kernel was 5% slower than the two-pass backward; 128 keys in one lockstep 8-warp program, 20%
 slower; two warpgroups each computing a dQ part over its own 64 keys, summed by the second, 7-10% faster; this
 one, 3-6% faster again (2.84 ms against cuDNN's 2.92 under the profiler). The default backward policy uses it for
-long rows (`FlashConfig.hopper_ws`, `ws_min_rows`, `ws_min_rows_wide`, `ws_min_rows_padded`).
+long rows (`FlashConfig.hopper_ws`, `ws_min_rows`). Its TMA descriptors are made on the host (`launch_ws`): made
+in every program they cost up to 13% of the time at 2048 rows.
 
 Head dim 128 (`_ws_warpgroup_wide`, `_ws_steps_wide`) keeps the program shape (128 keys, 64 queries a step) but
 not the register plan: per thread, dK and dV alone take 128 of the 255 registers, S^T and dP^T 64 more, so K and
@@ -48,6 +49,8 @@ Triton kernels, which stay the portable version (and the ones the CPU interprete
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 from torch import Tensor
 
@@ -59,14 +62,25 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_init
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     HAVE_GLUON = True
     # Triton 3.6 calls the TMA load async_copy_global_to_shared; 3.9 renamed it async_load (same arguments)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # 3.9 renamed thread_barrier
+    from triton.experimental.gluon.language._core import builtin as _builtin
+
+    @_builtin
+    def _as_fp32(buf, _semantic=None):
+        """An int64 shared-memory buffer of n (lse2, delta) pairs seen as 2n fp32, the host TMA descriptor's
+        element (it takes no 64-bit ones); the memdesc reinterpret that Triton 3.6 calls `_reinterpret` and 3.9
+        `reinterpret`."""
+        n = 2 * int(getattr(buf.shape[0], "value", buf.shape[0]))
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+        return _semantic.memdesc_reinterpret(buf, gl.float32, [n], layout)
+
     _tma_add = getattr(tma, "async_atomic_add", None)
     if _tma_add is None:  # Triton 3.6: the builder has the bulk tensor reduction, Gluon does not expose it yet
         from triton._C.libtriton import ir as _ir
-        from triton.experimental.gluon.language._core import builtin as _builtin
 
         @_builtin
         def _tma_add(tensor_desc, coord, src, _semantic=None):
@@ -102,27 +116,6 @@ def ws_constexprs(d: int) -> dict:
 
 if HAVE_GLUON:
     @gluon.jit
-    def _head_descs(Q, DO, STATS, off_z, off_h, stride_qz, stride_qh, stride_qm, stride_doz, stride_doh,
-                    stride_dom, n_q, n_rows_all, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                    D_REAL: gl.constexpr):
-        """TMA descriptors, built on the device: this head's Q and dO rows in boxes HEAD_DIM wide over the
-        tensors' D_REAL columns (rows past n_q and columns past D_REAL read as zeros), and the (lse2, delta) pairs
-        as int64 over all heads' rows (a head's own base is 16-byte aligned only for even n_q; this head's rows
-        start at pid_zh * n_q)."""
-        tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], Q.dtype.element_ty)
-        q_desc = tma.make_tensor_descriptor(Q + off_z * stride_qz + off_h * stride_qh, shape=[n_q, D_REAL],
-                                            strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM],
-                                            layout=tile_layout)
-        do_desc = tma.make_tensor_descriptor(DO + off_z * stride_doz + off_h * stride_doh, shape=[n_q, D_REAL],
-                                             strides=[stride_dom, 1], block_shape=[BLOCK_M, HEAD_DIM],
-                                             layout=tile_layout)
-        stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=64, rank=1)
-        stats_desc = tma.make_tensor_descriptor(STATS.to(gl.pointer_type(gl.int64), bitcast=True),
-                                                shape=[n_rows_all], strides=[1], block_shape=[BLOCK_M],
-                                                layout=stats_layout)
-        return q_desc, do_desc, stats_desc
-
-    @gluon.jit
     def _ring(STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, dtype: gl.constexpr):
         """Shared-memory ring buffers of Q, dO and (lse2, delta) pairs, with one load mbarrier per stage."""
         tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
@@ -136,15 +129,17 @@ if HAVE_GLUON:
         return q_smem, do_smem, stats_smem, ready
 
     @gluon.jit
-    def _load_step(i, lo, stage, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready, stats_row,
+    def _load_step(i, lo, stage, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready, stats_row, z, h,
                    BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
-        """TMA loads of step i (query rows lo + i * BLOCK_M ...) into ring buffer `stage`."""
-        tile_bytes: gl.constexpr = 2 * BLOCK_M * HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8 + 8 * BLOCK_M
+        """TMA loads of step i (query rows lo + i * BLOCK_M ... of head (z, h)) into ring buffer `stage`: Q and dO
+        through 4-D descriptors over (Z, H, N, d), the (lse2, delta) pairs from row stats_row + ... of all heads'."""
+        tile_bytes: gl.constexpr = 2 * BLOCK_M * HEAD_DIM * q_smem.dtype.primitive_bitwidth // 8 + 8 * BLOCK_M
         row = lo + i * BLOCK_M
         mbarrier.expect(ready.index(stage), tile_bytes)
-        _tma_load(q_desc, [row, 0], ready.index(stage), q_smem.index(stage))
-        _tma_load(do_desc, [row, 0], ready.index(stage), do_smem.index(stage))
-        _tma_load(stats_desc, [stats_row + row], ready.index(stage), stats_smem.index(stage))
+        _tma_load(q_desc, [z, h, row, 0], ready.index(stage), q_smem.index(stage).reshape([1, 1, BLOCK_M, HEAD_DIM]))
+        _tma_load(do_desc, [z, h, row, 0], ready.index(stage),
+                  do_smem.index(stage).reshape([1, 1, BLOCK_M, HEAD_DIM]))
+        _tma_load(stats_desc, [2 * (stats_row + row)], ready.index(stage), _as_fp32(stats_smem.index(stage)))
 
     @gluon.jit
     def _load_kv(K, V, off_z, off_h, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
@@ -253,7 +248,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _ws_steps(ROLE: gl.constexpr, it, lo, start, end, n_steps, dk, dv, k_op, v_op, q_desc, do_desc,
                   stats_desc, dq_desc, q_smem, do_smem, stats_smem, k_smem, ds_smem, dq_smem, ready, empty, ds_ready,
-                  ds_free, stats_row, offs_n, n_q, causal_off, qk_scale, MASKED: gl.constexpr,
+                  ds_free, stats_row, z, h, offs_n, n_q, causal_off, qk_scale, MASKED: gl.constexpr,
                   IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   PREFETCH: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr):
         """The query-tile steps of one of the two warpgroups over [start, end). Both store their dS^T into the
@@ -291,7 +286,7 @@ if HAVE_GLUON:
                     nstage = nxt % STAGES
                     mbarrier.wait(empty.index(nstage), ((nxt // STAGES) & 1) ^ 1)
                     _load_step(nxt, lo, nstage, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready,
-                               stats_row, BLOCK_M, HEAD_DIM)
+                               stats_row, z, h, BLOCK_M, HEAD_DIM)
             else:
                 # dQ of the 64 queries over both warpgroups' 128 keys, from shared memory (a register A operand
                 # holds the rows its warps own: keys here, not queries), issued before dK to be waited on first
@@ -305,7 +300,7 @@ if HAVE_GLUON:
                 dq_buf.store(dq)
                 fence_async_shared()
                 _barrier()
-                _tma_add(dq_desc, [start_m, 0], dq_buf)
+                _tma_add(dq_desc, [z, h, start_m, 0], dq_buf.reshape([1, 1, BLOCK_M, HEAD_DIM]))
             it += 1
         return it, dk, dv
 
@@ -319,6 +314,8 @@ if HAVE_GLUON:
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr):
         """Warpgroup ROLE of a program: keys start_cta + ROLE * BLOCK_N ..., over the program's query steps."""
         start_n = start_cta + ROLE * BLOCK_N
+        z = off_z.to(gl.int32)  # the head's TMA coordinates
+        h = off_h.to(gl.int32)
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
         mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -338,8 +335,8 @@ if HAVE_GLUON:
             start, end = _ranges(rng, lo, start_n, n_q, causal_off, IS_CAUSAL, BLOCK_M, BLOCK_N)
             it, dk, dv = _ws_steps(ROLE, it, lo, start, end, n_steps, dk, dv, k_op, v_op, q_desc, do_desc,
                                    stats_desc, dq_desc, q_smem, do_smem, stats_smem, k_smem, ds_smem, dq_smem,
-                                   ready, empty, ds_ready, ds_free, stats_row, offs_n, n_q, causal_off, qk_scale,
-                                   rng != 1, IS_CAUSAL, BLOCK_M, HEAD_DIM, STAGES, PREFETCH, mma_s, mma_d)
+                                   ready, empty, ds_ready, ds_free, stats_row, z, h, offs_n, n_q, causal_off,
+                                   qk_scale, rng != 1, IS_CAUSAL, BLOCK_M, HEAD_DIM, STAGES, PREFETCH, mma_s, mma_d)
         dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
         if ROLE == 1:
             tma.store_wait(0)
@@ -350,7 +347,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _ws_steps_wide(ROLE: gl.constexpr, it, lo, start, end, n_steps, dk, dv, q_desc, do_desc,
                        stats_desc, dq_desc, q_smem, do_smem, stats_smem, k_smem, v_smem, ds_smem, dq_buf, ready,
-                       empty, ds_ready, ds_free, stats_row, offs_n, n_q, causal_off, qk_scale, MASKED: gl.constexpr,
+                       empty, ds_ready, ds_free, stats_row, z, h, offs_n, n_q, causal_off, qk_scale,
+                       MASKED: gl.constexpr,
                        IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                        STAGES: gl.constexpr, PREFETCH: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr):
         """`_ws_steps` for head dim 128, both warpgroups alike: K and V (k_op, v_op) are shared-memory A operands,
@@ -405,7 +403,7 @@ if HAVE_GLUON:
                     nstage = nxt % STAGES
                     mbarrier.wait(empty.index(nstage), ((nxt // STAGES) & 1) ^ 1)
                     _load_step(nxt, lo, nstage, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready,
-                               stats_row, BLOCK_M, HEAD_DIM)
+                               stats_row, z, h, BLOCK_M, HEAD_DIM)
             # dV and dQ done: only dK in flight into the next step
             dq, dv = warpgroup_mma_wait(1, deps=[dq, dv])
             dv = warpgroup_mma_init(dv)
@@ -413,7 +411,7 @@ if HAVE_GLUON:
             dq_buf.store(dq)
             fence_async_shared()
             _barrier()
-            _tma_add(dq_desc, [start_m, ROLE * (HEAD_DIM // 2)], dq_buf)
+            _tma_add(dq_desc, [z, h, start_m, ROLE * (HEAD_DIM // 2)], dq_buf.reshape([1, 1, BLOCK_M, HEAD_DIM // 2]))
             it += 1
         return it, dk, dv
 
@@ -427,6 +425,8 @@ if HAVE_GLUON:
                            STAGES: gl.constexpr, PREFETCH: gl.constexpr, D_REAL: gl.constexpr):
         """`_ws_warpgroup` for tiles 128 wide (`_ws_steps_wide`) over D_REAL columns (the rest zeros)."""
         start_n = start_cta + ROLE * BLOCK_N
+        z = off_z.to(gl.int32)  # the head's TMA coordinates
+        h = off_h.to(gl.int32)
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
         mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -446,8 +446,9 @@ if HAVE_GLUON:
             start, end = _ranges(rng, lo, start_n, n_q, causal_off, IS_CAUSAL, BLOCK_M, BLOCK_N)
             it, dk, dv = _ws_steps_wide(ROLE, it, lo, start, end, n_steps, dk, dv, q_desc, do_desc, stats_desc,
                                         dq_desc, q_smem, do_smem, stats_smem, k_smem, v_smem, ds_smem, dq_buf, ready,
-                                        empty, ds_ready, ds_free, stats_row, offs_n, n_q, causal_off, qk_scale,
-                                        rng != 1, IS_CAUSAL, BLOCK_M, HEAD_DIM, STAGES, PREFETCH, mma_s, mma_d)
+                                        empty, ds_ready, ds_free, stats_row, z, h, offs_n, n_q, causal_off,
+                                        qk_scale, rng != 1, IS_CAUSAL, BLOCK_M, HEAD_DIM, STAGES, PREFETCH, mma_s,
+                                        mma_d)
         dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
         tma.store_wait(0)
         # dK and dV through this warpgroup's V buffer (its last readers are done), to be stored in 16-byte
@@ -466,11 +467,10 @@ if HAVE_GLUON:
                     stride_dvh, stride_dvn, n_k, 1.0, HEAD_DIM, BLOCK_N, rows_layout, D_REAL)
 
     @gluon.jit
-    def _bwd_ws_kernel(Q, K, V, DO, DK, DV, STATS, DQ_ACC,  # DQ_ACC (Z*H, N_q, d) fp32, zeroed; dQ = sm_scale DQ_ACC
-                       stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
-                       stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
+    def _bwd_ws_kernel(q_desc, K, V, do_desc, DK, DV, stats_desc, dq_desc,  # TMA descriptors (`launch_ws`), pointers
+                       stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                        stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
-                       n_heads, kv_group, n_q, n_k, n_rows_all, causal_off, qk_scale, sm_scale,
+                       n_heads, kv_group, n_q, n_k, causal_off, qk_scale, sm_scale,
                        IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr, WS_REGS: gl.constexpr,
                        D_REAL: gl.constexpr):
@@ -486,17 +486,11 @@ if HAVE_GLUON:
         start_cta = (pid % n_blocks) * (2 * BLOCK_N)
         off_z = (pid_zh // n_heads).to(gl.int64)
         off_h = (pid_zh % n_heads).to(gl.int64)
-        dtype: gl.constexpr = Q.dtype.element_ty
-        q_desc, do_desc, stats_desc = _head_descs(Q, DO, STATS, off_z, off_h, stride_qz, stride_qh, stride_qm,
-                                                  stride_doz, stride_doh, stride_dom, n_q, n_rows_all, HEAD_DIM,
-                                                  BLOCK_M, D_REAL)
+        dtype: gl.constexpr = q_desc.dtype
         # head dim 128: each warpgroup reduces dQ for its half of the head dim (`_ws_steps_wide`)
         WIDE: gl.constexpr = HEAD_DIM > 64
         DQ_COLS: gl.constexpr = HEAD_DIM // 2 if WIDE else HEAD_DIM
         dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
-        dq_desc = tma.make_tensor_descriptor(DQ_ACC + pid_zh.to(gl.int64) * n_q * D_REAL, shape=[n_q, D_REAL],
-                                             strides=[D_REAL, 1], block_shape=[BLOCK_M, DQ_COLS],
-                                             layout=dq_layout)  # rows past n_q, columns past D_REAL are clipped
         stats_row = pid_zh * n_q
         lo, n_steps = _query_steps(start_cta, n_q, causal_off, IS_CAUSAL, BLOCK_M)
         q_smem, do_smem, stats_smem, ready = _ring(STAGES, BLOCK_M, HEAD_DIM, dtype)
@@ -521,7 +515,7 @@ if HAVE_GLUON:
         for i in gl.static_range(PREFETCH):
             if i < n_steps:
                 _load_step(i, lo, i, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready, stats_row,
-                           BLOCK_M, HEAD_DIM)
+                           off_z.to(gl.int32), off_h.to(gl.int32), BLOCK_M, HEAD_DIM)
         # (the argument tuples are spelled out: a tuple built in Gluon code drops its constexprs)
         if WIDE:  # K and V of each warpgroup in shared memory
             k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], kv_layout)
@@ -573,13 +567,38 @@ def ws_applies(q: Tensor, do: Tensor, d: int) -> bool:
         and all(s % 8 == 0 for s in q.stride()[:3] + do.stride()[:3])
 
 
+@lru_cache(maxsize=None)
+def _box_layout(box: tuple[int, ...], dtype: torch.dtype, swizzled: bool):
+    """The shared-memory layout of a TMA box (kept: computing it is most of a host descriptor's cost, about 20 us;
+    a forward builds 4 to 8 descriptors a call)."""
+    if not swizzled:
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=dtype.itemsize * 8, rank=len(box))
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(box), gl_dtype)
+
+
+def tma_desc(t: Tensor, box: tuple[int, ...], swizzled: bool = True):
+    """A TMA descriptor over t at its strides, for `box`-shaped loads and stores: made on the host, not in every
+    program (costly where a program's work is short). Parts of a box past t's edges read as zeros, and stores
+    and reductions there are dropped."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), _box_layout(box, t.dtype, swizzled))
+
+
 def launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_scale, is_causal) -> None:
-    """dK, dV, and the unscaled dQ = dS K added into the zeroed fp32 `dq_acc`, from the delta kernel's `stats`."""
-    launch._ensure_scratch_allocator()  # the kernel builds its TMA descriptors on the device
-    z = q.shape[0]
-    strides = tuple(s for t in (q, k, v, do, dk, dv) for s in t.stride()[:3])
-    scalars = (h, h // k.shape[1], n_q, n_k, z * h * n_q, causal_off, sm_scale * LOG2E, sm_scale)
+    """dK, dV, and the unscaled dQ = dS K added into the zeroed fp32 `dq_acc` ((Z, H, N_q, d), contiguous), from
+    the delta kernel's `stats` ((Z, H, N_q, 2) fp32, contiguous)."""
+    z, _, _, d = q.shape
+    width = TILE_WIDTH[d]
+    # 4-D descriptors over (Z, H, N, d) at the tensors' strides, boxes `width` wide over d columns (80, 96: the
+    # rest zeros); the (lse2, delta) pairs as fp32 over all heads' rows (in the kernel: int64, a pair each); dQ in
+    # halves of the head dim at 128 (`_ws_steps_wide`)
+    q_desc = tma_desc(q, (1, 1, BLOCK_M, width))
+    do_desc = tma_desc(do, (1, 1, BLOCK_M, width))
+    stats_desc = tma_desc(stats.view(-1), (2 * BLOCK_M,), swizzled=False)
+    dq_desc = tma_desc(dq_acc, (1, 1, BLOCK_M, width // 2 if width > 64 else width))
+    strides = tuple(s for t in (k, v, dk, dv) for s in t.stride()[:3])
+    scalars = (h, h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale)
     # two warpgroups of 64 keys per program, head by head
     _bwd_ws_kernel[(z * h * _cdiv(n_k, WS_KEYS),)](
-        q, k, v, do, dk, dv, stats, dq_acc, *strides, *scalars, IS_CAUSAL=is_causal, **ws_constexprs(q.shape[3]),
-        num_warps=4)
+        q_desc, k, v, do_desc, dk, dv, stats_desc, dq_desc, *strides, *scalars, IS_CAUSAL=is_causal,
+        **ws_constexprs(d), num_warps=4)

@@ -57,8 +57,6 @@ leave little to overlap them with).
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 from torch import Tensor
 
@@ -70,8 +68,8 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
     from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from core.kernels.flash_triton.hopper import _barrier, _tma_load  # under their 3.6 or 3.9 names
+    from core.kernels.flash_triton.hopper import tma_desc
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global  # 3.9 renamed it
     HAVE_GLUON = True
 except ImportError:  # a Triton without Gluon (or without its Hopper ops)
@@ -557,20 +555,6 @@ def fwd_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
                and all(s > 0 and s % 8 == 0 for s in t.stride()[:3]) for t in (q, k, v))
 
 
-@lru_cache(maxsize=None)
-def _box_layout(rows: int, d: int, bf16: bool):
-    """The shared-memory layout of a (1, 1, rows, d) box (kept: computing it is most of a descriptor's host time,
-    about 20 us, and a forward builds 4 to 8 descriptors a call)."""
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], gl.bfloat16 if bf16 else gl.float16)
-
-
-def _host_desc(t: Tensor, rows: int):
-    """A 4-D TMA descriptor over (Z, H, N, d) t at its strides, loading (1, 1, rows, d) boxes."""
-    d = t.shape[3]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d],
-                            _box_layout(rows, d, t.dtype == torch.bfloat16))
-
-
 def fwd_tiles(d: int, n_q: int, is_causal: bool, long_rows: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, STAGES, Q_BUFS, consumers) for a forward of n_q query rows: `SHORT_TILES` under a causal mask below
     long_rows rows (`FlashConfig.hopper_fwd_long_rows`), from there on `WIDE_TILES` where the head dim has them,
@@ -591,9 +575,10 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causa
     block_n, stages, q_bufs, consumers = tiles or FWD_TILES[d]
     causal_off = n_k - n_q if is_causal else 0
     boxes = ((q, HALF_M), (k, block_n), (v, block_n), (o, HALF_M))  # (tensor, rows a load or store takes)
-    descs = [_host_desc(t[..., :d_main] if d_tail else t, rows) for t, rows in boxes]
-    # the tail columns' descriptors (without a tail: the main ones again, never read)
-    tails = [_host_desc(t[..., d_main:], rows) for t, rows in boxes] if d_tail else descs
+    # 4-D descriptors over (Z, H, N, d) at the tensors' strides (made on the host: in every program they cost
+    # 20-25% at S = 512), and the tail columns' (without a tail: the main ones again, never read)
+    descs = [tma_desc(t[..., :d_main] if d_tail else t, (1, 1, rows, d_main)) for t, rows in boxes]
+    tails = [tma_desc(t[..., d_main:], (1, 1, rows, d_tail)) for t, rows in boxes] if d_tail else descs
     # persistent: a program an SM (their shared memory allows no second); on a grid of fewer than half as many
     # pairs of query tiles, a tile a program (`_tile`)
     n_units = _cdiv(z * h * _cdiv(n_q, consumers * HALF_M), 2)  # the kernel's work units (`_tile`): half the tiles
