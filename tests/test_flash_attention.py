@@ -786,17 +786,17 @@ assert head_dim in fg.HEAD_DIMS
 import torch
 from triton.runtime.jit import mangle_type
 constexprs = dict(IS_CAUSAL=True, **fg.ws_constexprs(head_dim))
-width = fg.TILE_WIDTH[head_dim]
-boxes = {"q_desc": (torch.bfloat16, (1, 1, fg.BLOCK_M, width)), "do_desc": (torch.bfloat16, (1, 1, fg.BLOCK_M, width)),
-         "dq_desc": (torch.float32, (1, 1, fg.BLOCK_M, width // 2 if width > 64 else width))}
-types = {name: mangle_type(fg.tma_desc(torch.empty(1, 1, 64, head_dim, dtype=dtype), box))
-         for name, (dtype, box) in boxes.items()}  # descriptors made on the host (`launch_ws`)
-types["stats_desc"] = mangle_type(fg.tma_desc(torch.empty(128), (2 * fg.BLOCK_M,), swizzled=False))
+q = torch.empty(1, 1, 64, head_dim, dtype=torch.bfloat16)  # descriptors made on the host (`launch_ws`)
+descs = fg.ws_descs(q, q, torch.empty(1, 1, 64, 2), torch.empty(1, 1, 64, head_dim))
+types = {name: mangle_type(desc) for name, desc in zip(fg._bwd_ws_kernel.arg_names, descs)}
 kernel = compile_sm90(fg._bwd_ws_kernel, constexprs, types)
 ptx = kernel.asm["ptx"]
 assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and kernel.asm["cubin"]
 # no descriptor made on the device (per program they cost where its work is short)
 assert "tensormap.replace" not in ptx
+# 80 / 96: the head dim's tail in wgmmas of its own width (dV's and dK's tails), no 128-wide padded tiles
+tail = constexprs["D_TAIL"]
+assert (f"m64n{tail}k16" in ptx) == bool(tail) and ("m64n128k16" in ptx) == (head_dim == 128)
 # dQ parts added with bulk tensor reductions, from two warpgroups (8 warps), within Hopper's 227 KB per program
 assert "cp.reduce.async.bulk.tensor" in ptx and kernel.metadata.num_warps == 8
 assert kernel.metadata.shared <= 232448, kernel.metadata.shared
@@ -856,7 +856,7 @@ def test_gluon_ws_only_where_it_applies(monkeypatch):
     assert not ftd._ws_ok(x.float(), x.float(), 64)
     assert not ftd._ws_ok(x[..., :32], x[..., :32], 32)
     wide = torch.zeros(1, 1, 64, 128, dtype=torch.bfloat16)
-    assert ftd._ws_ok(wide, wide, 128) and ftd._ws_ok(wide[..., :96], wide[..., :96], 96)  # 96: 128-wide tiles
+    assert ftd._ws_ok(wide, wide, 128) and ftd._ws_ok(wide[..., :96], wide[..., :96], 96)  # 96: 64 + a tail
     assert ftd._ws_ok(wide[..., :80], wide[..., :80], 80) and not ftd._ws_ok(wide[..., :112], wide[..., :112], 112)
     assert not ftd._ws_ok(x[:, :, :63], x[:, :, :63], 64)  # odd N_q
     off = torch.zeros(62 * 64 + 4, dtype=torch.bfloat16)[4:].view(1, 1, 62, 64)  # 8 bytes off 16
@@ -885,8 +885,6 @@ def test_default_backward_policy(monkeypatch):
         # a head dim the mapping does not name never takes it; one number applies to every head dim
         assert ftd._default_bwd(at, at, at, FlashConfig(ws_min_rows={d + 1: 0})) == ft.BWD_TWO_PASS
         assert ftd._default_bwd(below, below, below, FlashConfig(ws_min_rows=0)) == ft.BWD_ATOMIC_DQ
-    # the 128-wide tiles do 1.6x d = 80's matmul work: they pay only from longer rows than at 64, 96 and 128
-    assert by_d[80] > max(by_d[64], by_d[96], by_d[128])
     long = torch.empty(4, 16, by_d[64], 64, dtype=torch.bfloat16)
     short = torch.empty(4, 16, by_d[64] // 2, 64, dtype=torch.bfloat16)
     small = torch.empty(1, 1, 256, 64, dtype=torch.bfloat16)
@@ -916,7 +914,7 @@ def _gluon_usable() -> bool:
     ((1, 2, 200, 128), 333, True, torch.bfloat16),
     ((1, 2, 334, 128), 200, True, torch.float16),
     ((2, 2, 1000, 128), 1000, False, torch.bfloat16),
-    ((2, 3, 258, 96), 258, True, torch.bfloat16),   # head dims 96 and 80 in the 128-wide tiles (the rest zeros)
+    ((2, 3, 258, 96), 258, True, torch.bfloat16),   # head dims 96 and 80: a 64-wide main part and a tail
     ((1, 2, 334, 96), 200, True, torch.float16),
     ((2, 2, 1000, 80), 1000, False, torch.bfloat16),
     ((1, 2, 200, 80), 333, True, torch.bfloat16),
@@ -940,13 +938,13 @@ def test_gpu_gluon_ws_matches(shape_q, n_k, causal, dtype):
 
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("d", [64, 96])
+@pytest.mark.parametrize("d", [64, 80, 96])
 @pytest.mark.parametrize("views", [(True, True, True), (False, True, False), (True, False, True)],
                          ids=["views_qkv", "views_k", "views_qv"])
 def test_gpu_gluon_ws_on_fused_projection_views(views, d):
     """The Gluon backward addresses dK / dV with K's / V's strides through TMA descriptors: with q, k, v as
-    views of the fused projection (row strides of 3 H d), gradients against float64 (at d = 96 the 128-wide
-    tiles read the next head's columns as zeros, not its values)."""
+    views of the fused projection (row strides of 3 H d), gradients against float64 (at d = 80 / 96 the tails'
+    descriptors and loads stop at the head's last column, not reading the next head's)."""
     if not _gluon_usable():
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
     torch.manual_seed(14)

@@ -19,8 +19,8 @@ from typing import Any, Mapping
 from core.errors import ConfigError
 
 TILE_KERNELS = ("fwd", "dq", "dkdv", "fused")
-# "auto"'s Gluon backward from these query rows on, by head dim (80, 96 in its 128-wide tiles; docs/attention.md)
-WS_MIN_ROWS = {64: 2048, 80: 8192, 96: 2048, 128: 1024}
+# "auto"'s Gluon backward from these query rows on, by head dim (docs/attention.md)
+WS_MIN_ROWS = {64: 2048, 80: 2048, 96: 2048, 128: 1024}
 _WS_DEFAULT = tuple(sorted(WS_MIN_ROWS.items()))
 BACKWARDS = ("auto", "two_pass", "atomic_dq", "fused")
 SPLIT_MERGES = ("in_kernel", "separate")

@@ -38,10 +38,13 @@ wgmma (info C7512), and the kernel took 1.08-1.11x the time at 8192-16384 rows. 
 and V 64 KB, dS^T 32 KB, the dQ blocks 32 KB, and 3 stages of Q, dO and pairs (32.5 KB each), 226 KB of the 227 a
 program may have.
 
-Head dims 80 and 96 run in the 128-wide tiles (`TILE_WIDTH`; D_REAL the tensors' own): the TMA boxes and the
-K / V loads span 128 columns of tensors d wide, the hardware and the masks read the columns past d as zeros (which
-add nothing to any product), and the dK / dV stores and the dQ reductions stop at d (masks; the TMA clips a box at
-the tensor's edge). No padded copy; the d = 128 kernel's time.
+Head dims 80 and 96 take the same path with the head dim as a 64-wide main part and a tail (`common._TILE_D`:
+80 = 64 + 16, 96 = 64 + 32; shared-memory and register tiles are powers of two), each with its own TMA descriptors,
+shared-memory buffers and accumulators: S^T and dP^T are two wgmmas into one accumulator, dV and dK one per part,
+and the first warpgroup computes and reduces dQ's main part, the second its tail. Run in 128-wide tiles instead
+(the columns past d zeros), the kernel took 1.08-1.15x this time at d = 80 and 1.01-1.09x at 96 (the tiles did
+1.6x / 1.33x the matmul work). With fewer registers and bytes a stage than at 128, the ring has 4 stages loaded 3
+ahead (195 / 202 KB in all).
 
 Scope (`ws_applies`): compiled CUDA on sm_90, fp16 / bf16, head dim 64, 80, 96 or 128, 16-byte aligned Q / dO rows
 and an even N_q (each head's (lse2, delta) rows must start 16-byte aligned for the TMA); everything else runs the
@@ -90,68 +93,79 @@ try:
 except ImportError:  # a Triton without Gluon (or without its Hopper ops)
     HAVE_GLUON = False
 
-# the tiles' width by head dim: 80 and 96 run in the 128-wide tiles, their columns past d loaded as zeros by the
-# TMA and the K / V loads and never stored (the 128 kernel's time, against the two-pass kernels' at d)
-TILE_WIDTH = {64: 64, 80: 128, 96: 128, 128: 128}
-HEAD_DIMS = tuple(TILE_WIDTH)
+HEAD_DIMS = (64, 80, 96, 128)
 # 64 queries per step and 64 keys per warpgroup
 BLOCK_M, BLOCK_N = 64, 64
 # one-pass backward: two warpgroups (128 keys) per program, both keeping 256 registers (the ws region's
 # setmaxnreg). The Q / dO ring by head dim, (stages, steps loaded ahead): at 64, 6 stages loaded 3 steps ahead, so
 # the first warpgroup (the lighter one: the second computes dQ) can run ahead of the second; at 128, where the
 # warpgroups meet every step (both compute dQ) and K, V (64 KB) sit in shared memory, 3 stages (32.5 KB each)
-# loaded 2 steps ahead: 226 KB in all, of the 227 KB a program may have
+# loaded 2 steps ahead: 226 KB in all, of the 227 KB a program may have; at 80 and 96 (K, V 40 / 48 KB, a stage
+# 20.5 / 24.5 KB) 4 stages loaded 3 ahead, 195 / 202 KB
 WS_KEYS = 2 * BLOCK_N
-WS_RING = {64: (6, 3), 128: (3, 2)}
+WS_RING = {64: (6, 3), 80: (4, 3), 96: (4, 3), 128: (3, 2)}
 WS_REGS = 256
 
 
 def ws_constexprs(d: int) -> dict:
-    """The compile-time arguments of `_bwd_ws_kernel` but IS_CAUSAL, for head dim d."""
-    width = TILE_WIDTH[d]
-    stages, prefetch = WS_RING[width]
-    return dict(HEAD_DIM=width, D_REAL=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, PREFETCH=prefetch,
+    """The compile-time arguments of `_bwd_ws_kernel` but IS_CAUSAL, for head dim d: the head dim as a
+    power-of-two main part and a tail (`common._TILE_D`: 80 = 64 + 16, 96 = 64 + 32)."""
+    d_main, d_tail = common._TILE_D[d]
+    stages, prefetch = WS_RING[d]
+    return dict(HEAD_DIM=d_main, D_TAIL=d_tail, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, PREFETCH=prefetch,
                 WS_REGS=WS_REGS)
 
 
 if HAVE_GLUON:
     @gluon.jit
-    def _ring(STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, dtype: gl.constexpr):
-        """Shared-memory ring buffers of Q, dO and (lse2, delta) pairs, with one load mbarrier per stage."""
+    def _ring(STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, D_TAIL: gl.constexpr,
+              dtype: gl.constexpr):
+        """Shared-memory ring buffers of Q, dO (their head dim's tail columns in buffers of their own; without a
+        tail, the main ones again) and (lse2, delta) pairs, with one load mbarrier per stage."""
         tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
         stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=64, rank=1)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], tile_layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], tile_layout)
+        if D_TAIL > 0:
+            tail_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D_TAIL], dtype)
+            qt_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D_TAIL], tail_layout)
+            dot_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D_TAIL], tail_layout)
+        else:
+            qt_smem = q_smem
+            dot_smem = do_smem
         stats_smem = gl.allocate_shared_memory(gl.int64, [STAGES, BLOCK_M], stats_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-        return q_smem, do_smem, stats_smem, ready
+        return q_smem, do_smem, qt_smem, dot_smem, stats_smem, ready
 
     @gluon.jit
-    def _load_step(i, lo, stage, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready, stats_row, z, h,
-                   BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+    def _load_step(i, lo, stage, q_desc, do_desc, qt_desc, dot_desc, stats_desc, q_smem, do_smem, qt_smem, dot_smem,
+                   stats_smem, ready, stats_row, z, h, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   D_TAIL: gl.constexpr):
         """TMA loads of step i (query rows lo + i * BLOCK_M ... of head (z, h)) into ring buffer `stage`: Q and dO
-        through 4-D descriptors over (Z, H, N, d), the (lse2, delta) pairs from row stats_row + ... of all heads'."""
-        tile_bytes: gl.constexpr = 2 * BLOCK_M * HEAD_DIM * q_smem.dtype.primitive_bitwidth // 8 + 8 * BLOCK_M
+        (and their tails) through 4-D descriptors over (Z, H, N, d), the (lse2, delta) pairs from row
+        stats_row + ... of all heads'."""
+        tile_bytes: gl.constexpr = 2 * BLOCK_M * (HEAD_DIM + D_TAIL) * q_smem.dtype.primitive_bitwidth // 8 \
+            + 8 * BLOCK_M
         row = lo + i * BLOCK_M
-        mbarrier.expect(ready.index(stage), tile_bytes)
-        _tma_load(q_desc, [z, h, row, 0], ready.index(stage), q_smem.index(stage).reshape([1, 1, BLOCK_M, HEAD_DIM]))
-        _tma_load(do_desc, [z, h, row, 0], ready.index(stage),
-                  do_smem.index(stage).reshape([1, 1, BLOCK_M, HEAD_DIM]))
-        _tma_load(stats_desc, [2 * (stats_row + row)], ready.index(stage), _as_fp32(stats_smem.index(stage)))
+        bar = ready.index(stage)
+        mbarrier.expect(bar, tile_bytes)
+        _tma_load(q_desc, [z, h, row, 0], bar, q_smem.index(stage).reshape([1, 1, BLOCK_M, HEAD_DIM]))
+        _tma_load(do_desc, [z, h, row, 0], bar, do_smem.index(stage).reshape([1, 1, BLOCK_M, HEAD_DIM]))
+        if D_TAIL > 0:
+            _tma_load(qt_desc, [z, h, row, 0], bar, qt_smem.index(stage).reshape([1, 1, BLOCK_M, D_TAIL]))
+            _tma_load(dot_desc, [z, h, row, 0], bar, dot_smem.index(stage).reshape([1, 1, BLOCK_M, D_TAIL]))
+        _tma_load(stats_desc, [2 * (stats_row + row)], bar, _as_fp32(stats_smem.index(stage)))
 
     @gluon.jit
     def _load_kv(K, V, off_z, off_h, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
-                 n_k, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr, D_REAL: gl.constexpr):
-        """K and V rows start_n .. start_n + BLOCK_N, HEAD_DIM columns (rows past n_k and columns past D_REAL read
-        as zeros)."""
-        blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+                 n_k, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr):
+        """K and V rows start_n .. start_n + BLOCK_N, HEAD_DIM columns from K, V (rows past n_k read as zeros)."""
+        blocked: gl.constexpr = _rows_layout(HEAD_DIM, NW)
         rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blocked))
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blocked))
         kv_mask = gl.expand_dims(rows < n_k, 1)
-        if D_REAL < HEAD_DIM:
-            kv_mask = kv_mask & gl.expand_dims(cols < D_REAL, 0)
         k = gl.load(K + off_z * stride_kz + off_h * stride_kh + gl.expand_dims(rows, 1) * stride_kn
                     + gl.expand_dims(cols, 0), mask=kv_mask, other=0.0)
         v = gl.load(V + off_z * stride_vz + off_h * stride_vh + gl.expand_dims(rows, 1) * stride_vn
@@ -161,19 +175,23 @@ if HAVE_GLUON:
     @gluon.jit
     def _store_dkdv(DK, DV, dk, dv, off_z, off_h, start_n, stride_dkz, stride_dkh, stride_dkn, stride_dvz,
                     stride_dvh, stride_dvn, n_k, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                    mma_d: gl.constexpr, D_REAL: gl.constexpr):
-        """dK (scaled) and dV of keys start_n ... at the given strides; rows past n_k and columns past D_REAL are
-        not written."""
+                    mma_d: gl.constexpr):
+        """dK (scaled) and dV of keys start_n ..., HEAD_DIM columns from DK, DV at the given strides; rows past
+        n_k are not written."""
         dtype: gl.constexpr = DK.dtype.element_ty
         out_rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_d))
         out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma_d))
         out_mask = gl.expand_dims(out_rows < n_k, 1)
-        if D_REAL < HEAD_DIM:
-            out_mask = out_mask & gl.expand_dims(out_cols < D_REAL, 0)
         gl.store(DK + off_z * stride_dkz + off_h * stride_dkh + gl.expand_dims(out_rows, 1) * stride_dkn
                  + gl.expand_dims(out_cols, 0), (dk * sm_scale).to(dtype), mask=out_mask)
         gl.store(DV + off_z * stride_dvz + off_h * stride_dvh + gl.expand_dims(out_rows, 1) * stride_dvn
                  + gl.expand_dims(out_cols, 0), dv.to(dtype), mask=out_mask)
+
+    @gluon.constexpr_function
+    def _rows_layout(width, num_warps):
+        """A blocked layout of rows `width` columns wide in 16-byte pieces (8 threads a row at most)."""
+        cols = min(int(width) // 8, 8)
+        return gl.BlockedLayout([1, 8], [32 // cols, cols], [int(num_warps), 1], [1, 0])
 
     @gluon.jit
     def _query_steps(start_n, n_q, causal_off, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
@@ -208,20 +226,28 @@ if HAVE_GLUON:
     @gluon.jit
     def _ds_t(k_op, v_op, q_tile, do_tile, pair_buf, dv, offs_m, offs_n, n_q, causal_off, qk_scale,
               MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr,
-              LATE_DELTA: gl.constexpr = False):
+              LATE_DELTA: gl.constexpr, kt_op, vt_op, qt_tile, dot_tile, dvt, mma_t: gl.constexpr,
+              D_TAIL: gl.constexpr):
         """One step for 64 keys: S^T = K Q^T and dP^T = V dO^T issued together, P^T = exp2(S^T - lse2) while dP^T
         runs, dV += P^T dO issued (left in flight), dS^T = P^T (dP^T - delta) returned in the inputs' dtype. On
-        return at most one wgmma (dV) is in flight: the previous step's dV and dK, and any older, are done.
+        return only dV's wgmmas are in flight: the previous step's dV and dK, and any older, are done.
         K and V are register or shared-memory operands; LATE_DELTA reads delta where it is used, not with lse2
-        (head dim 128: dK and dV take 128 of a thread's registers)."""
+        (head dims 80-128: dK and dV take 96-128 of a thread's registers). With a tail (D_TAIL columns of the
+        head dim past the main part, its own operands: kt_op, ... and accumulator dvt), S^T and dP^T take a wgmma
+        more each, and dV's tail one of its own."""
         dtype: gl.constexpr = q_tile.dtype
         keys: gl.constexpr = k_op.shape[0]
         queries: gl.constexpr = q_tile.shape[0]
+        parts: gl.constexpr = 2 if D_TAIL > 0 else 1  # wgmmas per product
         zero_s = gl.zeros([keys, queries], gl.float32, layout=mma_s)
         s_t = warpgroup_mma(k_op, q_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if D_TAIL > 0:
+            s_t = warpgroup_mma(kt_op, qt_tile.permute((1, 0)), s_t, is_async=True)
         dp_t = warpgroup_mma(v_op, do_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if D_TAIL > 0:
+            dp_t = warpgroup_mma(vt_op, dot_tile.permute((1, 0)), dp_t, is_async=True)
         # the (lse2, delta) pairs of these query rows came with the tiles (int64: split in registers; rows past
-        # n_q hold the next head's pairs or zeros, masked off in S^T). Read once both wgmmas are issued: a
+        # n_q hold the next head's pairs or zeros, masked off in S^T). Read once the wgmmas are issued: a
         # wgmma's issue waits for every register load in flight
         if LATE_DELTA:
             lse2 = pair_buf.load(gl.SliceLayout(0, mma_s)).to(gl.int32).to(gl.float32, bitcast=True)
@@ -229,7 +255,7 @@ if HAVE_GLUON:
             pair = pair_buf.load(gl.SliceLayout(0, mma_s))
             lse2 = pair.to(gl.int32).to(gl.float32, bitcast=True)
             delta = (pair >> 32).to(gl.int32).to(gl.float32, bitcast=True)
-        s_t = warpgroup_mma_wait(1, deps=[s_t])
+        s_t = warpgroup_mma_wait(parts, deps=[s_t])
         s_t = s_t * qk_scale
         if MASKED:
             valid = gl.expand_dims(offs_m, 0) < n_q
@@ -237,12 +263,15 @@ if HAVE_GLUON:
                 valid = valid & (gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m, 0) + causal_off)
             s_t = gl.where(valid, s_t, float("-inf"))
         p_t = gl.exp2(s_t - gl.expand_dims(lse2, 0))
-        p_op = gl.convert_layout(p_t.to(dtype), gl.DotOperandLayout(0, mma_d, 2))
-        dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+        p_lo = p_t.to(dtype)
+        dv = warpgroup_mma(gl.convert_layout(p_lo, gl.DotOperandLayout(0, mma_d, 2)), do_tile, dv, is_async=True)
+        if D_TAIL > 0:
+            dvt = warpgroup_mma(gl.convert_layout(p_lo, gl.DotOperandLayout(0, mma_t, 2)), dot_tile, dvt,
+                                is_async=True)
         if LATE_DELTA:
             delta = (pair_buf.load(gl.SliceLayout(0, mma_s)) >> 32).to(gl.int32).to(gl.float32, bitcast=True)
-        dp_t = warpgroup_mma_wait(1, deps=[dp_t])
-        return (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype), dv
+        dp_t = warpgroup_mma_wait(parts, deps=[dp_t])
+        return (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype), dv, dvt
 
     # ------------------------------------------------------------------ the warp-specialised one-pass backward
     @gluon.jit
@@ -261,8 +290,10 @@ if HAVE_GLUON:
             stage = it % STAGES
             mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
             q_tile = q_smem.index(stage)
-            ds_t, dv = _ds_t(k_op, v_op, q_tile, do_smem.index(stage), stats_smem.index(stage), dv, start_m + offs_m0,
-                             offs_n, n_q, causal_off, qk_scale, MASKED, IS_CAUSAL, mma_s, mma_d)
+            do_tile = do_smem.index(stage)
+            ds_t, dv, _ = _ds_t(k_op, v_op, q_tile, do_tile, stats_smem.index(stage), dv, start_m + offs_m0, offs_n,
+                                n_q, causal_off, qk_scale, MASKED, IS_CAUSAL, mma_s, mma_d, False, k_op, v_op, q_tile,
+                                do_tile, dv, mma_d, 0)
             # the previous step's dK, the last reader of its ring buffer in this warpgroup, is done
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=it > 0)
             slot = it % 2
@@ -285,8 +316,8 @@ if HAVE_GLUON:
                 if nxt < n_steps:
                     nstage = nxt % STAGES
                     mbarrier.wait(empty.index(nstage), ((nxt // STAGES) & 1) ^ 1)
-                    _load_step(nxt, lo, nstage, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready,
-                               stats_row, z, h, BLOCK_M, HEAD_DIM)
+                    _load_step(nxt, lo, nstage, q_desc, do_desc, q_desc, do_desc, stats_desc, q_smem, do_smem,
+                               q_smem, do_smem, stats_smem, ready, stats_row, z, h, BLOCK_M, HEAD_DIM, 0)
             else:
                 # dQ of the 64 queries over both warpgroups' 128 keys, from shared memory (a register A operand
                 # holds the rows its warps own: keys here, not queries), issued before dK to be waited on first
@@ -321,7 +352,7 @@ if HAVE_GLUON:
         mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
         k, v = _load_kv(K, V, off_z, off_hk, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh,
-                        stride_vn, n_k, HEAD_DIM, BLOCK_N, 4, HEAD_DIM)
+                        stride_vn, n_k, HEAD_DIM, BLOCK_N, 4)
         k_smem.slice(ROLE * BLOCK_N, BLOCK_N).store(k)  # dQ's B operand (fenced before the first dQ)
         k_op = gl.convert_layout(k, gl.DotOperandLayout(0, mma_s, 2))
         v_op = gl.convert_layout(v, gl.DotOperandLayout(0, mma_s, 2))
@@ -341,36 +372,40 @@ if HAVE_GLUON:
         if ROLE == 1:
             tma.store_wait(0)
         _store_dkdv(DK, DV, dk, dv, off_z, off_h, start_n, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh,
-                    stride_dvn, n_k, sm_scale, HEAD_DIM, BLOCK_N, mma_d, HEAD_DIM)
+                    stride_dvn, n_k, sm_scale, HEAD_DIM, BLOCK_N, mma_d)
 
-    # ------------------------------------------------------ head dim 128: K and V in shared memory, dQ split by d
+    # ------------------------------------------- head dims 80-128: K and V in shared memory, dQ split by columns
     @gluon.jit
-    def _ws_steps_wide(ROLE: gl.constexpr, it, lo, start, end, n_steps, dk, dv, q_desc, do_desc,
-                       stats_desc, dq_desc, q_smem, do_smem, stats_smem, k_smem, v_smem, ds_smem, dq_buf, ready,
-                       empty, ds_ready, ds_free, stats_row, z, h, offs_n, n_q, causal_off, qk_scale,
-                       MASKED: gl.constexpr,
-                       IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       STAGES: gl.constexpr, PREFETCH: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr):
-        """`_ws_steps` for head dim 128, both warpgroups alike: K and V (k_op, v_op) are shared-memory A operands,
-        and each warpgroup computes the step's dQ over all 128 keys for its half of the head dim (64 x 64 fp32:
-        a whole 64 x 128 dQ does not fit beside dK, dV, S^T and dP^T) and reduces it from its own buffer. So
-        both halves of dS^T are needed before either dQ (ds_ready), and both dQs read a buffer before either
-        warpgroup overwrites it (ds_free)."""
+    def _ws_steps_wide(ROLE: gl.constexpr, it, lo, start, end, n_steps, dk, dv, dkt, dvt, q_desc, do_desc, qt_desc,
+                       dot_desc, stats_desc, dq_desc, q_smem, do_smem, qt_smem, dot_smem, stats_smem, k_smem, v_smem,
+                       kt_smem, vt_smem, ds_smem, dq_buf, ready, empty, ds_ready, ds_free, stats_row, z, h, offs_n,
+                       n_q, causal_off, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                       BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, D_TAIL: gl.constexpr, STAGES: gl.constexpr,
+                       PREFETCH: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr, mma_t: gl.constexpr,
+                       mma_q: gl.constexpr):
+        """`_ws_steps` for head dims 80-128, both warpgroups alike: K and V (and their tails) are shared-memory A
+        operands, and each warpgroup computes the step's dQ over all 128 keys for its part of the head dim (a whole
+        64 x d dQ does not fit beside dK, dV, S^T and dP^T: at 128 each takes half, at 80 / 96 the first the main
+        64 columns and the second the tail) and reduces it from its own buffer. So both halves of dS^T are needed
+        before either dQ (ds_ready), and both dQs read a buffer before either warpgroup overwrites it (ds_free)."""
         offs_m0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
-        zero_q = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, layout=mma_s)
+        dq_cols: gl.constexpr = dq_buf.shape[1]
+        zero_q = gl.zeros([BLOCK_M, dq_cols], gl.float32, layout=mma_q)
         keys: gl.constexpr = k_smem.shape[1]
+        parts: gl.constexpr = 2 if D_TAIL > 0 else 1  # wgmmas per product over the head dim
         for start_m in range(start, end, BLOCK_M):
             stage = it % STAGES
             mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
             q_tile = q_smem.index(stage)
+            qt_tile = qt_smem.index(stage)
             # K and V buffer indices the compiler cannot see are constant (it < 2^30): their wgmma descriptors are
             # then computed in the loop (a few integer adds) instead of hoisted, 48 registers held across it
             own = ROLE + (it >> 30)
-            other = (1 - ROLE) + (it >> 30)
-            k_op = k_smem.index(own)
-            v_op = v_smem.index(own)
-            ds_t, dv = _ds_t(k_op, v_op, q_tile, do_smem.index(stage), stats_smem.index(stage), dv, start_m + offs_m0,
-                             offs_n, n_q, causal_off, qk_scale, MASKED, IS_CAUSAL, mma_s, mma_d, True)
+            first = it >> 30  # 0: the first warpgroup's keys
+            ds_t, dv, dvt = _ds_t(k_smem.index(own), v_smem.index(own), q_tile, do_smem.index(stage),
+                                  stats_smem.index(stage), dv, start_m + offs_m0, offs_n, n_q, causal_off, qk_scale,
+                                  MASKED, IS_CAUSAL, mma_s, mma_d, True, kt_smem.index(own), vt_smem.index(own),
+                                  qt_tile, dot_smem.index(stage), dvt, mma_t, D_TAIL)
             # the previous step's dK, the last reader of its ring buffer in this warpgroup, is done
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=it > 0)
             slot = it % 2
@@ -384,78 +419,58 @@ if HAVE_GLUON:
             mbarrier.arrive(ds_ready.index(slot), count=1)
             mbarrier.wait(ds_ready.index(slot), (it // 2) & 1)
             # dQ issued before dK, to be waited on first (a register A operand holds the rows its warps own:
-            # keys here, not queries, so dS comes from shared memory): dS K[:, this half] over both key blocks
+            # keys here, not queries, so dS comes from shared memory): dS K[:, this warpgroup's columns] over both
+            # key blocks
+            if D_TAIL == 0:
+                kq0 = k_smem.index(first).slice(ROLE * dq_cols, dq_cols, dim=1)
+                kq1 = k_smem.index(first + 1).slice(ROLE * dq_cols, dq_cols, dim=1)
+            elif ROLE == 0:
+                kq0 = k_smem.index(first)
+                kq1 = k_smem.index(first + 1)
+            else:
+                kq0 = kt_smem.index(first)
+                kq1 = kt_smem.index(first + 1)
             ds_all = ds_smem.index(slot)
-            dq = warpgroup_mma(ds_all.slice(0, keys).permute((1, 0)),
-                               k_smem.index(own - ROLE).slice(ROLE * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1), zero_q,
-                               use_acc=False, is_async=True)
-            dq = warpgroup_mma(ds_all.slice(keys, keys).permute((1, 0)),
-                               k_smem.index(other + ROLE).slice(ROLE * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1), dq,
-                               is_async=True)
+            dq = warpgroup_mma(ds_all.slice(0, keys).permute((1, 0)), kq0, zero_q, use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds_all.slice(keys, keys).permute((1, 0)), kq1, dq, is_async=True)
             # dK = dS^T Q with this warpgroup's dS^T from shared memory (a register operand's 16 registers make
             # ptxas serialize every wgmma); its rows are rewritten two steps on, after this dK is waited on
-            dk = warpgroup_mma(ds_all.slice(ROLE * keys, keys), q_tile, dk, is_async=True)
+            ds_own = ds_all.slice(ROLE * keys, keys)
+            dk = warpgroup_mma(ds_own, q_tile, dk, is_async=True)
+            if D_TAIL > 0:
+                dkt = warpgroup_mma(ds_own, qt_tile, dkt, is_async=True)
             if ROLE == 0:
-                # refill the ring buffer of step nxt - STAGES (it - 1 at the default ring): both warpgroups
+                # refill the ring buffer of step nxt - STAGES (it - 1 at the default rings): both warpgroups
                 # released it before handing over this step's dS^T, so this does not wait
                 nxt = it + PREFETCH
                 if nxt < n_steps:
                     nstage = nxt % STAGES
                     mbarrier.wait(empty.index(nstage), ((nxt // STAGES) & 1) ^ 1)
-                    _load_step(nxt, lo, nstage, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready,
-                               stats_row, z, h, BLOCK_M, HEAD_DIM)
+                    _load_step(nxt, lo, nstage, q_desc, do_desc, qt_desc, dot_desc, stats_desc, q_smem, do_smem,
+                               qt_smem, dot_smem, stats_smem, ready, stats_row, z, h, BLOCK_M, HEAD_DIM, D_TAIL)
             # dV and dQ done: only dK in flight into the next step
-            dq, dv = warpgroup_mma_wait(1, deps=[dq, dv])
+            if D_TAIL > 0:
+                dq, dv, dvt = warpgroup_mma_wait(parts, deps=[dq, dv, dvt])
+                dvt = warpgroup_mma_init(dvt)
+            else:
+                dq, dv = warpgroup_mma_wait(parts, deps=[dq, dv])
             dv = warpgroup_mma_init(dv)
             mbarrier.arrive(ds_free.index(slot), count=1)
             dq_buf.store(dq)
             fence_async_shared()
             _barrier()
-            _tma_add(dq_desc, [z, h, start_m, ROLE * (HEAD_DIM // 2)], dq_buf.reshape([1, 1, BLOCK_M, HEAD_DIM // 2]))
+            _tma_add(dq_desc, [z, h, start_m, 0], dq_buf.reshape([1, 1, BLOCK_M, dq_cols]))
             it += 1
-        return it, dk, dv
+        return it, dk, dv, dkt, dvt
 
     @gluon.jit
-    def _ws_warpgroup_wide(ROLE: gl.constexpr, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem,
-                           stats_smem, k_smem, v_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z,
-                           off_h, off_hk, start_cta, lo, n_steps, stats_row, stride_kz, stride_kh, stride_kn,
-                           stride_vz, stride_vh, stride_vn, stride_dkz, stride_dkh, stride_dkn, stride_dvz,
-                           stride_dvh, stride_dvn, n_q, n_k, causal_off, qk_scale, sm_scale, IS_CAUSAL: gl.constexpr,
-                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           STAGES: gl.constexpr, PREFETCH: gl.constexpr, D_REAL: gl.constexpr):
-        """`_ws_warpgroup` for tiles 128 wide (`_ws_steps_wide`) over D_REAL columns (the rest zeros)."""
-        start_n = start_cta + ROLE * BLOCK_N
-        z = off_z.to(gl.int32)  # the head's TMA coordinates
-        h = off_h.to(gl.int32)
-        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_M, 16])
-        mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-        k, v = _load_kv(K, V, off_z, off_hk, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh,
-                        stride_vn, n_k, HEAD_DIM, BLOCK_N, 4, D_REAL)
-        k_smem.index(ROLE).store(k)  # also dQ's B operand, with the other warpgroup's keys
-        v_smem.index(ROLE).store(v)
-        fence_async_shared()
-        _barrier()
-        offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
-        dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=mma_d))
-        dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=mma_d))
-        dq_buf = dq_smem.index(ROLE)
-        it = 0
-        for rng in gl.static_range(3):
-            start, end = _ranges(rng, lo, start_n, n_q, causal_off, IS_CAUSAL, BLOCK_M, BLOCK_N)
-            it, dk, dv = _ws_steps_wide(ROLE, it, lo, start, end, n_steps, dk, dv, q_desc, do_desc, stats_desc,
-                                        dq_desc, q_smem, do_smem, stats_smem, k_smem, v_smem, ds_smem, dq_buf, ready,
-                                        empty, ds_ready, ds_free, stats_row, z, h, offs_n, n_q, causal_off,
-                                        qk_scale, rng != 1, IS_CAUSAL, BLOCK_M, HEAD_DIM, STAGES, PREFETCH, mma_s,
-                                        mma_d)
-        dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
-        tma.store_wait(0)
-        # dK and dV through this warpgroup's V buffer (its last readers are done), to be stored in 16-byte
-        # pieces: from the wgmma layout, 64-bit addresses of 2-byte pieces of both do not fit in registers
+    def _stage_out(DK, DV, dk, dv, out_smem, off_z, off_h, start_n, stride_dkz, stride_dkh, stride_dkn, stride_dvz,
+                   stride_dvh, stride_dvn, n_k, sm_scale, WIDTH: gl.constexpr, BLOCK_N: gl.constexpr):
+        """dK (scaled) and dV, WIDTH columns from DK, DV, through out_smem (a buffer no other warpgroup reads), to be
+        stored in 16-byte pieces: from the wgmma layout, 64-bit addresses of 2-byte pieces of both do not fit in
+        registers."""
         dtype: gl.constexpr = DK.dtype.element_ty
-        rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        out_smem = v_smem.index(ROLE)
+        rows_layout: gl.constexpr = _rows_layout(WIDTH, 4)
         out_smem.store(dv.to(dtype))
         _barrier()
         dv_out = out_smem.load(rows_layout)
@@ -464,21 +479,82 @@ if HAVE_GLUON:
         _barrier()
         dk_out = out_smem.load(rows_layout)
         _store_dkdv(DK, DV, dk_out, dv_out, off_z, off_h, start_n, stride_dkz, stride_dkh, stride_dkn, stride_dvz,
-                    stride_dvh, stride_dvn, n_k, 1.0, HEAD_DIM, BLOCK_N, rows_layout, D_REAL)
+                    stride_dvh, stride_dvn, n_k, 1.0, WIDTH, BLOCK_N, rows_layout)
 
     @gluon.jit
-    def _bwd_ws_kernel(q_desc, K, V, do_desc, DK, DV, stats_desc, dq_desc,  # TMA descriptors (`launch_ws`), pointers
-                       stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
+    def _ws_warpgroup_wide(ROLE: gl.constexpr, K, V, DK, DV, q_desc, do_desc, qt_desc, dot_desc, stats_desc, dq_desc,
+                           q_smem, do_smem, qt_smem, dot_smem, stats_smem, k_smem, v_smem, kt_smem, vt_smem, ds_smem,
+                           dq_buf, ready, empty, ds_ready, ds_free, off_z, off_h, off_hk, start_cta, lo, n_steps,
+                           stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn, stride_dkz,
+                           stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k, causal_off, qk_scale,
+                           sm_scale, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, D_TAIL: gl.constexpr,
+                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                           PREFETCH: gl.constexpr):
+        """`_ws_warpgroup` for head dims 80-128 (`_ws_steps_wide`): HEAD_DIM main columns and D_TAIL more."""
+        start_n = start_cta + ROLE * BLOCK_N
+        z = off_z.to(gl.int32)  # the head's TMA coordinates
+        h = off_h.to(gl.int32)
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+        mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+        # the tail's accumulators (without a tail: the main layout, never used)
+        mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D_TAIL if D_TAIL > 0 else HEAD_DIM, 16])
+        mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, dq_buf.shape[1], 16])
+        k, v = _load_kv(K, V, off_z, off_hk, start_n, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh,
+                        stride_vn, n_k, HEAD_DIM, BLOCK_N, 4)
+        k_smem.index(ROLE).store(k)  # also dQ's B operand, with the other warpgroup's keys
+        v_smem.index(ROLE).store(v)
+        if D_TAIL > 0:
+            kt, vt = _load_kv(K + HEAD_DIM, V + HEAD_DIM, off_z, off_hk, start_n, stride_kz, stride_kh, stride_kn,
+                              stride_vz, stride_vh, stride_vn, n_k, D_TAIL, BLOCK_N, 4)
+            kt_smem.index(ROLE).store(kt)
+            vt_smem.index(ROLE).store(vt)
+        fence_async_shared()
+        _barrier()
+        offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
+        dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=mma_d))
+        dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=mma_d))
+        if D_TAIL > 0:
+            dkt = warpgroup_mma_init(gl.zeros([BLOCK_N, D_TAIL], gl.float32, layout=mma_t))
+            dvt = warpgroup_mma_init(gl.zeros([BLOCK_N, D_TAIL], gl.float32, layout=mma_t))
+        else:  # never used (a register each)
+            dkt = gl.zeros([128], gl.float32, layout=gl.BlockedLayout([1], [32], [4], [0]))
+            dvt = dkt
+        it = 0
+        for rng in gl.static_range(3):
+            start, end = _ranges(rng, lo, start_n, n_q, causal_off, IS_CAUSAL, BLOCK_M, BLOCK_N)
+            it, dk, dv, dkt, dvt = _ws_steps_wide(ROLE, it, lo, start, end, n_steps, dk, dv, dkt, dvt, q_desc,
+                                                  do_desc, qt_desc, dot_desc, stats_desc, dq_desc, q_smem, do_smem,
+                                                  qt_smem, dot_smem, stats_smem, k_smem, v_smem, kt_smem, vt_smem,
+                                                  ds_smem, dq_buf, ready, empty, ds_ready, ds_free, stats_row, z, h,
+                                                  offs_n, n_q, causal_off, qk_scale, rng != 1, IS_CAUSAL, BLOCK_M,
+                                                  HEAD_DIM, D_TAIL, STAGES, PREFETCH, mma_s, mma_d, mma_t, mma_q)
+        dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
+        tma.store_wait(0)
+        # through this warpgroup's V buffers (their last readers are done)
+        _stage_out(DK, DV, dk, dv, v_smem.index(ROLE), off_z, off_h, start_n, stride_dkz, stride_dkh, stride_dkn,
+                   stride_dvz, stride_dvh, stride_dvn, n_k, sm_scale, HEAD_DIM, BLOCK_N)
+        if D_TAIL > 0:
+            dkt, dvt = warpgroup_mma_wait(0, deps=[dkt, dvt])
+            _stage_out(DK + HEAD_DIM, DV + HEAD_DIM, dkt, dvt, vt_smem.index(ROLE), off_z, off_h, start_n, stride_dkz,
+                       stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_k, sm_scale, D_TAIL, BLOCK_N)
+
+    @gluon.jit
+    def _bwd_ws_kernel(q_desc, do_desc, qt_desc, dot_desc, stats_desc, dq_desc, dqt_desc,  # TMA descriptors
+                       K, V, DK, DV, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                        stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
                        n_heads, kv_group, n_q, n_k, causal_off, qk_scale, sm_scale,
-                       IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr, WS_REGS: gl.constexpr,
-                       D_REAL: gl.constexpr):
-        # HEAD_DIM: the tiles' width; D_REAL: the tensors' head dim, up to it (the columns past it zeros)
+                       IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr, WS_REGS: gl.constexpr):
+        # HEAD_DIM: the head dim's main part; D_TAIL: its tail (qt_desc, dot_desc: Q's and dO's tail columns;
+        # dqt_desc: the dQ buffer's columns the second warpgroup reduces into, from HEAD_DIM // 2 at 128)
         gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
         gl.static_assert(PREFETCH < STAGES)
-        gl.static_assert((HEAD_DIM == 64) | (HEAD_DIM == 128), "tiles 64 or 128 wide (TILE_WIDTH)")
-        gl.static_assert((D_REAL == HEAD_DIM) | (HEAD_DIM == 128), "narrower head dims in the 128-wide tiles")
+        gl.static_assert((HEAD_DIM == 64) | (HEAD_DIM == 128), "main parts 64 or 128 wide")
+        gl.static_assert((D_TAIL == 0) | (HEAD_DIM == 64), "tails after a 64-wide main part")
         # head-major 1-D grid (launch._grid): the resident programs share one head's Q, dO and dQ rows in L2
         n_blocks = gl.cdiv(n_k, 2 * BLOCK_N)
         pid = gl.program_id(0)
@@ -487,56 +563,70 @@ if HAVE_GLUON:
         off_z = (pid_zh // n_heads).to(gl.int64)
         off_h = (pid_zh % n_heads).to(gl.int64)
         dtype: gl.constexpr = q_desc.dtype
-        # head dim 128: each warpgroup reduces dQ for its half of the head dim (`_ws_steps_wide`)
-        WIDE: gl.constexpr = HEAD_DIM > 64
-        DQ_COLS: gl.constexpr = HEAD_DIM // 2 if WIDE else HEAD_DIM
-        dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
+        # head dims 80-128: K and V in shared memory, each warpgroup reduces dQ for its columns (`_ws_steps_wide`)
+        WIDE: gl.constexpr = (HEAD_DIM > 64) | (D_TAIL > 0)
         stats_row = pid_zh * n_q
         lo, n_steps = _query_steps(start_cta, n_q, causal_off, IS_CAUSAL, BLOCK_M)
-        q_smem, do_smem, stats_smem, ready = _ring(STAGES, BLOCK_M, HEAD_DIM, dtype)
-        # K of both warpgroups (dQ's B operand); dS^T of both, two buffers (by step parity); dQ tiles: two of the
-        # second warpgroup's (by step parity), or at head dim 128 one per warpgroup
-        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        if not WIDE:
-            k_smem = gl.allocate_shared_memory(dtype, [2 * BLOCK_N, HEAD_DIM],
-                                               gl.NVMMASharedLayout.get_default_for([2 * BLOCK_N, HEAD_DIM], dtype))
+        q_smem, do_smem, qt_smem, dot_smem, stats_smem, ready = _ring(STAGES, BLOCK_M, HEAD_DIM, D_TAIL, dtype)
+        # dS^T of both warpgroups, two buffers (by step parity)
         ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * BLOCK_N, BLOCK_M],
                                             gl.NVMMASharedLayout.get_default_for([2 * BLOCK_N, BLOCK_M], dtype))
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], dq_layout)
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(empty.index(i), count=2)  # released by both warpgroups
         for i in gl.static_range(2):
-            # at head dim 128 both warpgroups write dS^T before either dQ reads it, and both dQs read it
+            # wide: both warpgroups write dS^T before either dQ reads it, and both dQs read it
             mbarrier.init(ds_ready.index(i), count=2 if WIDE else 1)
             mbarrier.init(ds_free.index(i), count=2 if WIDE else 1)
         for i in gl.static_range(PREFETCH):
             if i < n_steps:
-                _load_step(i, lo, i, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, ready, stats_row,
-                           off_z.to(gl.int32), off_h.to(gl.int32), BLOCK_M, HEAD_DIM)
+                _load_step(i, lo, i, q_desc, do_desc, qt_desc, dot_desc, stats_desc, q_smem, do_smem, qt_smem,
+                           dot_smem, stats_smem, ready, stats_row, off_z.to(gl.int32), off_h.to(gl.int32), BLOCK_M,
+                           HEAD_DIM, D_TAIL)
         # (the argument tuples are spelled out: a tuple built in Gluon code drops its constexprs)
-        if WIDE:  # K and V of each warpgroup in shared memory
+        if WIDE:
+            # K and V of each warpgroup (their tails in buffers of their own); a dQ buffer per warpgroup, for its
+            # columns: half the head dim each at 128, the main part and the tail at 80 / 96
+            kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
             k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], kv_layout)
             v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], kv_layout)
+            if D_TAIL > 0:
+                kvt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_TAIL], dtype)
+                kt_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_TAIL], kvt_layout)
+                vt_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_TAIL], kvt_layout)
+            else:  # never read
+                kt_smem = k_smem
+                vt_smem = v_smem
+            DQ0: gl.constexpr = HEAD_DIM if D_TAIL > 0 else HEAD_DIM // 2
+            DQ1: gl.constexpr = D_TAIL if D_TAIL > 0 else HEAD_DIM // 2
+            dq0_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQ0],
+                                                 gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ0], gl.float32))
+            dq1_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQ1],
+                                                 gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ1], gl.float32))
             gl.warp_specialize([
-                (_ws_warpgroup_wide, (0, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem,
-                                      stats_smem, k_smem, v_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free,
-                                      off_z, off_h, off_h // kv_group, start_cta, lo, n_steps, stats_row, stride_kz,
-                                      stride_kh, stride_kn, stride_vz, stride_vh, stride_vn, stride_dkz, stride_dkh,
-                                      stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k, causal_off,
-                                      qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                      PREFETCH, D_REAL)),
-                (_ws_warpgroup_wide, (1, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem,
-                                      stats_smem, k_smem, v_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free,
-                                      off_z, off_h, off_h // kv_group, start_cta, lo, n_steps, stats_row, stride_kz,
-                                      stride_kh, stride_kn, stride_vz, stride_vh, stride_vn, stride_dkz, stride_dkh,
-                                      stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k, causal_off,
-                                      qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                      PREFETCH, D_REAL)),
+                (_ws_warpgroup_wide, (0, K, V, DK, DV, q_desc, do_desc, qt_desc, dot_desc, stats_desc, dq_desc,
+                                      q_smem, do_smem, qt_smem, dot_smem, stats_smem, k_smem, v_smem, kt_smem,
+                                      vt_smem, ds_smem, dq0_smem, ready, empty, ds_ready, ds_free, off_z, off_h,
+                                      off_h // kv_group, start_cta, lo, n_steps, stats_row, stride_kz, stride_kh,
+                                      stride_kn, stride_vz, stride_vh, stride_vn, stride_dkz, stride_dkh, stride_dkn,
+                                      stride_dvz, stride_dvh, stride_dvn, n_q, n_k, causal_off, qk_scale, sm_scale,
+                                      IS_CAUSAL, HEAD_DIM, D_TAIL, BLOCK_M, BLOCK_N, STAGES, PREFETCH)),
+                (_ws_warpgroup_wide, (1, K, V, DK, DV, q_desc, do_desc, qt_desc, dot_desc, stats_desc, dqt_desc,
+                                      q_smem, do_smem, qt_smem, dot_smem, stats_smem, k_smem, v_smem, kt_smem,
+                                      vt_smem, ds_smem, dq1_smem, ready, empty, ds_ready, ds_free, off_z, off_h,
+                                      off_h // kv_group, start_cta, lo, n_steps, stats_row, stride_kz, stride_kh,
+                                      stride_kn, stride_vz, stride_vh, stride_vn, stride_dkz, stride_dkh, stride_dkn,
+                                      stride_dvz, stride_dvh, stride_dvn, n_q, n_k, causal_off, qk_scale, sm_scale,
+                                      IS_CAUSAL, HEAD_DIM, D_TAIL, BLOCK_M, BLOCK_N, STAGES, PREFETCH)),
             ], [4], [WS_REGS])
         else:
+            # K of both warpgroups (dQ's B operand); the second warpgroup's dQ tiles, two (by step parity)
+            k_smem = gl.allocate_shared_memory(dtype, [2 * BLOCK_N, HEAD_DIM],
+                                               gl.NVMMASharedLayout.get_default_for([2 * BLOCK_N, HEAD_DIM], dtype))
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM],
+                                                gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32))
             gl.warp_specialize([
                 (_ws_warpgroup, (0, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem,
                                  k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h,
@@ -584,21 +674,32 @@ def tma_desc(t: Tensor, box: tuple[int, ...], swizzled: bool = True):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), _box_layout(box, t.dtype, swizzled))
 
 
+def ws_descs(q: Tensor, do: Tensor, stats: Tensor, dq_acc: Tensor) -> list:
+    """`_bwd_ws_kernel`'s TMA descriptors, 4-D over (Z, H, N, d) at the tensors' strides: Q and dO in their main
+    part and tail (without a tail, the main ones again, never read); the (lse2, delta) pairs as fp32 over all heads'
+    rows (in the kernel: int64, a pair each); the dQ buffer in the columns each warpgroup reduces (d = 64: all, for
+    the second; 128: half each; 80 / 96: the main part and the tail)."""
+    consts = ws_constexprs(q.shape[3])
+    main, tail = consts["HEAD_DIM"], consts["D_TAIL"]
+    descs = [tma_desc(t[..., :main] if tail else t, (1, 1, BLOCK_M, main)) for t in (q, do)]
+    tails = [tma_desc(t[..., main:], (1, 1, BLOCK_M, tail)) for t in (q, do)] if tail else descs
+    stats_desc = tma_desc(stats.view(-1), (2 * BLOCK_M,), swizzled=False)
+    split = main if tail else main // 2 if main > 64 else None
+    if split is None:
+        dq_descs = [tma_desc(dq_acc, (1, 1, BLOCK_M, main))] * 2
+    else:
+        dq_descs = [tma_desc(dq_acc[..., :split], (1, 1, BLOCK_M, split)),
+                    tma_desc(dq_acc[..., split:], (1, 1, BLOCK_M, dq_acc.shape[3] - split))]
+    return [*descs, *tails, stats_desc, *dq_descs]
+
+
 def launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_scale, is_causal) -> None:
     """dK, dV, and the unscaled dQ = dS K added into the zeroed fp32 `dq_acc` ((Z, H, N_q, d), contiguous), from
     the delta kernel's `stats` ((Z, H, N_q, 2) fp32, contiguous)."""
-    z, _, _, d = q.shape
-    width = TILE_WIDTH[d]
-    # 4-D descriptors over (Z, H, N, d) at the tensors' strides, boxes `width` wide over d columns (80, 96: the
-    # rest zeros); the (lse2, delta) pairs as fp32 over all heads' rows (in the kernel: int64, a pair each); dQ in
-    # halves of the head dim at 128 (`_ws_steps_wide`)
-    q_desc = tma_desc(q, (1, 1, BLOCK_M, width))
-    do_desc = tma_desc(do, (1, 1, BLOCK_M, width))
-    stats_desc = tma_desc(stats.view(-1), (2 * BLOCK_M,), swizzled=False)
-    dq_desc = tma_desc(dq_acc, (1, 1, BLOCK_M, width // 2 if width > 64 else width))
+    z = q.shape[0]
     strides = tuple(s for t in (k, v, dk, dv) for s in t.stride()[:3])
     scalars = (h, h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale)
     # two warpgroups of 64 keys per program, head by head
     _bwd_ws_kernel[(z * h * _cdiv(n_k, WS_KEYS),)](
-        q_desc, k, v, do_desc, dk, dv, stats_desc, dq_desc, *strides, *scalars, IS_CAUSAL=is_causal,
-        **ws_constexprs(d), num_warps=4)
+        *ws_descs(q, do, stats, dq_acc), k, v, dk, dv, *strides, *scalars, IS_CAUSAL=is_causal,
+        **ws_constexprs(q.shape[3]), num_warps=4)
