@@ -5,7 +5,9 @@
         --extra compile=true --attention sdpa,flash_triton     # our kernel end to end against SDPA
 
 With several `--attention` implementations each (size, precision, mode) row is measured for each of them in
-the same process, and a last table gives each one's time over the first one's.
+the same process, and a last table gives each one's time over the first one's; `--interleave R` builds their models
+together and alternates R rounds of their timed steps (for ratios of a percent or two: the GPU's state drifts
+between one model's run and the next's; peak memory then counts every model's).
 
 Every model size x precision x {forward, forward_backward, train_step}: mean and standard
 deviation over timed steps after warm-up, synchronising after every step, B=4, T=512 by
@@ -45,6 +47,10 @@ def main() -> None:
     ap.add_argument("--extra", default="", help="more overrides, comma separated (e.g. compile=true)")
     ap.add_argument("--attention", default="sdpa", help="attention_impl options, comma separated; the first is "
                     "the baseline of the ratio table")
+    ap.add_argument("--interleave", type=int, default=0, help="with several --attention: build the models of one "
+                    "size and precision together and time them in this many alternating rounds of steps / rounds "
+                    "steps each (the GPU's clocks and temperature drift between one model's run and the next's); "
+                    "0: one model after the other")
     ap.add_argument("--out", type=Path, default=None, help="default: outputs/bench/e2e_table/<time>.md")
     args = ap.parse_args()
     out = args.out or default_out("e2e_table")
@@ -53,50 +59,83 @@ def main() -> None:
               f"T={args.seq} | warmup {args.warmup}, {args.steps} timed steps, synchronised each step",
               f"command: python experiments/e2e_table.py --sizes {args.sizes} --precisions {args.precisions} "
               f"--batch {args.batch} --seq {args.seq} --warmup {args.warmup} --steps {args.steps}"
-              + (f" --extra {args.extra}" if args.extra else "") + f" --attention {args.attention}", "",
+              + (f" --extra {args.extra}" if args.extra else "") + f" --attention {args.attention}"
+              + (f" --interleave {args.interleave}" if args.interleave else ""), "",
               "| model | params | precision | attention | mode | mean ms | std ms | tok/s | MFU | peak GiB |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     rows = []
     means: dict[tuple, float] = {}
     attentions = args.attention.split(",")
-    for size, prec, attn in ((z, p, a) for z in args.sizes.split(",") for p in args.precisions.split(",")
-                             for a in attentions):
+    def overrides_for(size: str, prec: str, attn: str) -> list[str]:
         overrides = [f"model={size}", f"precision={prec}", f"attention_impl={attn}", "data=synthetic", "logger=none",
                      f"train.batch_size={args.batch}", f"data.seq_len={args.seq}", "optimizer.grad_clip=0",
                      f"paths.run_dir={out.parent / 'e2e_runs'}", f"paths.output_root={out.parent}"]
-        overrides += [o for o in args.extra.split(",") if o]
+        return overrides + [o for o in args.extra.split(",") if o]
+
+    def build_run(size: str, prec: str, attn: str):
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
-        run = None
-        try:
-            run = build(cfg)
-            for mode in args.modes.split(","):
-                try:
-                    ms = [t * 1e3 for t in time_steps(run, mode, args.warmup, args.steps)]
-                    mean, std = statistics.fmean(ms), statistics.stdev(ms) if len(ms) > 1 else 0.0
-                    share = 1 / 3 if mode == "forward" else 1.0
-                    mfu = run.flops.mfu(mean / 1e3)
-                    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-                    means[(size, prec, mode, attn)] = mean
-                    rows.append(f"| {size} | {run.model_cfg.num_params() / 1e9:.2f}B | {prec} | {run.attention} | "
-                                f"{mode} | {mean:.1f} | "
-                                f"{std:.1f} | {run.tokens_per_step / (mean / 1e3):,.0f} | "
-                                f"{(mfu * share if mfu is not None else float('nan')):.1%} | {peak:.1f} |")
-                except torch.cuda.OutOfMemoryError:
-                    rows.append(f"| {size} | | {prec} | {attn} | {mode} | OOM | | | | |")
-                    run.optimizer.zero_grad(set_to_none=True)
-                    gc.collect()
-                    torch.cuda.empty_cache()
+            return build(compose(config_name="config", overrides=overrides_for(size, prec, attn)))
+
+    def record(run, size: str, prec: str, attn: str, mode: str, ms: list[float]) -> None:
+        mean, std = statistics.fmean(ms), statistics.stdev(ms) if len(ms) > 1 else 0.0
+        share = 1 / 3 if mode == "forward" else 1.0
+        mfu = run.flops.mfu(mean / 1e3)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+        means[(size, prec, mode, attn)] = mean
+        rows.append(f"| {size} | {run.model_cfg.num_params() / 1e9:.2f}B | {prec} | {run.attention} | {mode} | "
+                    f"{mean:.1f} | {std:.1f} | {run.tokens_per_step / (mean / 1e3):,.0f} | "
+                    f"{(mfu * share if mfu is not None else float('nan')):.1%} | {peak:.1f} |")
+        print(rows[-1], flush=True)
+
+    def release() -> None:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    interleave = args.interleave if len(attentions) > 1 else 0
+    for size, prec in ((z, p) for z in args.sizes.split(",") for p in args.precisions.split(",")):
+        if interleave:  # every attention's model at once, their timed steps alternating
+            runs = {}
+            try:
+                for attn in attentions:
+                    runs[attn] = build_run(size, prec, attn)
+                for mode in args.modes.split(","):
+                    ms: dict[str, list[float]] = {attn: [] for attn in attentions}
+                    for attn, run in runs.items():
+                        time_steps(run, mode, args.warmup, 0)
+                    for _ in range(interleave):
+                        for attn, run in runs.items():
+                            ms[attn] += [t * 1e3 for t in time_steps(run, mode, 0, max(1, args.steps // interleave))]
+                    for attn, run in runs.items():
+                        record(run, size, prec, attn, mode, ms[attn])
+            except torch.cuda.OutOfMemoryError:
+                rows.append(f"| {size} | | {prec} | {','.join(attentions)} | (models built together) | OOM | | | | |")
                 print(rows[-1], flush=True)
-        except torch.cuda.OutOfMemoryError:
-            rows.append(f"| {size} | | {prec} | {attn} | (model + optimizer) | OOM | | | | |")
-            print(rows[-1], flush=True)
-        finally:
-            del run
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        write_result(out, "\n".join(header + rows) + "\n")  # after every point: a crash keeps the rows so far
+            finally:
+                del runs
+                release()
+            write_result(out, "\n".join(header + rows) + "\n")
+            continue
+        for attn in attentions:
+            run = None
+            try:
+                run = build_run(size, prec, attn)
+                for mode in args.modes.split(","):
+                    try:
+                        record(run, size, prec, attn, mode,
+                               [t * 1e3 for t in time_steps(run, mode, args.warmup, args.steps)])
+                    except torch.cuda.OutOfMemoryError:
+                        rows.append(f"| {size} | | {prec} | {attn} | {mode} | OOM | | | | |")
+                        print(rows[-1], flush=True)
+                        run.optimizer.zero_grad(set_to_none=True)
+                        release()
+            except torch.cuda.OutOfMemoryError:
+                rows.append(f"| {size} | | {prec} | {attn} | (model + optimizer) | OOM | | | | |")
+                print(rows[-1], flush=True)
+            finally:
+                del run
+                release()
+            write_result(out, "\n".join(header + rows) + "\n")  # after every point: a crash keeps the rows so far
     if len(attentions) > 1:
         base = attentions[0]
         rows += ["", f"| model | precision | mode | " + " | ".join(f"{a} / {base}" for a in attentions[1:]) + " |",

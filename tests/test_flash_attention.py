@@ -191,11 +191,13 @@ def test_grouped_query_attention_natively(cfg, kv_heads):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("cfg", [TWO_PASS, FlashConfig(backward="atomic_dq", ws_min_rows=0), FUSED],
                          ids=["two_pass", "atomic_dq_ws", "fused"])
-def test_gpu_grouped_query_attention_natively(cfg):
-    """GQA on the compiled kernels (the Gluon backward where it applies: d = 64, bf16), causal and not."""
+@pytest.mark.parametrize("d", [64, 80, 96, 128])
+def test_gpu_grouped_query_attention_natively(cfg, d):
+    """GQA on the compiled kernels (the Gluon backward where it applies: bf16, each head dim it takes, 80 and 96
+    with their tails), causal and not."""
     torch.manual_seed(3)
     for causal in (True, False):
-        check_gqa_against_reference(cfg, 2, 8, 2, 1024, 1024, 64, torch.bfloat16, causal)
+        check_gqa_against_reference(cfg, 2, 8, 2, 1024, 1024, d, torch.bfloat16, causal)
 
 
 @needs_triton

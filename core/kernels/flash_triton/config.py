@@ -20,7 +20,7 @@ from core.errors import ConfigError
 
 TILE_KERNELS = ("fwd", "dq", "dkdv", "fused")
 # "auto"'s Gluon backward from these query rows on, by head dim (docs/attention.md)
-WS_MIN_ROWS = {64: 2048, 80: 2048, 96: 2048, 128: 1024}
+WS_MIN_ROWS = {64: 4096, 80: 2048, 96: 2048, 128: 1024}
 _WS_DEFAULT = tuple(sorted(WS_MIN_ROWS.items()))
 BACKWARDS = ("auto", "two_pass", "atomic_dq", "fused")
 SPLIT_MERGES = ("in_kernel", "separate")
@@ -39,7 +39,7 @@ class FlashConfig:
     fused_max_tiles / fused_max_tiles_wide: "auto" takes the fused backward up to this many batch x heads x 64-row
         tiles, for head dims <= 64 / above 64.
     hopper_ws: the warp-specialised Gluon backward on sm_90 (the atomic-dQ variant's kernel there).
-    ws_min_rows: "auto" takes that kernel from this many query rows on, by head dim ({64: 2048, ...}; a head dim
+    ws_min_rows: "auto" takes that kernel from this many query rows on, by head dim ({64: 4096, ...}; a head dim
         not named: never), or one number for every head dim it takes.
     hopper_fwd: the warp-specialised Gluon forward on sm_90 where it applies (`hopper_forward.fwd_applies`), on
         grids the split-KV forward would not split; hopper_fwd_long_rows: under a causal mask, its 128-key tiles
