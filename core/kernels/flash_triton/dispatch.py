@@ -212,10 +212,10 @@ def _default_bwd(q4: Tensor, k4: Tensor, do4: Tensor, cfg: FlashConfig = DEFAULT
     small grids (`_use_fused`), the warp-specialised Gluon kernel on Hopper from `cfg.ws_rows(d)` query rows on,
     else two passes. Measured on the H100 (bf16, batch x heads x rows about 16 x 1M, causal), the Gluon kernel's
     time against the two-pass backward's at 512 / 1024 / 2048 / 4096 / 8192 rows: d = 64, 1.34 / 1.10 / 0.99 / 0.90
-    / 0.86x (without the mask 1.22x at 512, 0.98x at 2048; with 8 x 16 heads at 2048, 1.09x); d = 80, 1.14 / - / 0.93 / - / 0.88x; d = 96, 1.18 /
-    1.02 / 0.93 / - / 0.85x; d = 128, 1.10 / 0.95 / 0.91 / - / 0.84x. On short rows its fixed costs weigh more (the
-    delta kernel, the fp32 dQ buffer's zeros and cast, a program's set-up). The Gluon kernel's fp32 reductions add
-    in any order: not under torch.use_deterministic_algorithms."""
+    / 0.86x (without the mask 1.22x at 512, 0.98x at 2048; with 8 x 16 heads at 2048, 1.09x); d = 80, 1.14 / - /
+    0.93 / - / 0.88x; d = 96, 1.18 / 1.02 / 0.93 / - / 0.85x; d = 128, 1.10 / 0.95 / 0.91 / - / 0.84x. On short rows
+    its fixed costs weigh more (the delta kernel, the fp32 dQ buffer's zeros and cast, a program's set-up). The
+    Gluon kernel's fp32 reductions add in any order: not under torch.use_deterministic_algorithms."""
     if cfg.backward != "auto":
         return _BWD_NAMES[cfg.backward]
     z, h, n_q, d = q4.shape

@@ -4,8 +4,8 @@ persistent, and the host code that decides where it applies and launches it.
 Triton places a wait right after each asynchronous wgmma it issues, so its forward (`forward._fwd_kernel`)
 cannot overlap the softmax of one key tile with the matmuls of another. Gluon places the waits where the results
 are needed. A program stays on its SM (one per SM: shared memory holds no second) and walks query tiles of 128
-rows (192 at d = 64 from `FlashConfig.hopper_fwd_long_rows` rows: `WIDE_TILES`) of one (batch, head) each, in
-three or four partitions (`gl.warp_specialize`):
+rows (192 at d = 64, 80 and 96 from `FlashConfig.hopper_fwd_long_rows` rows: `WIDE_TILES`) of one (batch, head)
+each, in three or four partitions (`gl.warp_specialize`):
 
 - a producer warpgroup issues the TMA loads: the tile's 64-row Q blocks, one per consumer, into one of `Q_BUFS`
   buffers once the consumers have done their last Q K^T with it (a ready and an empty mbarrier each), and each key
@@ -50,9 +50,9 @@ Scope (`fwd_applies`): compiled CUDA on sm_90, fp16 / bf16, head dims 64, 80, 96
 strides and 16-byte aligned bases and (batch, head, row) strides of Q, K and V (TMA). Everything else runs the
 Triton kernels; `dispatch.flash_fwd_impl` takes this one wherever it applies and the call is not split (the
 split-KV forward serves grids that leave SMs idle), with 64-key tiles below `FlashConfig.hopper_fwd_long_rows`
-query rows under a causal mask (`SHORT_TILES`), three consumers at d = 64 from there on (`WIDE_TILES`), and at
-head dim 64 under a causal mask only from `FlashConfig.hopper_fwd_d64_min_rows` query rows on (below, the Triton
-forward's 64-row tiles are faster: at d = 64 the exponentials, not the matmuls, bound it, and short causal rows
+query rows under a causal mask (`SHORT_TILES`), three consumers at d = 64, 80 and 96 from there on (`WIDE_TILES`),
+and at head dim 64 under a causal mask only from `FlashConfig.hopper_fwd_d64_min_rows` query rows on (below, the
+Triton forward's 64-row tiles are faster: at d = 64 the exponentials, not the matmuls, bound it, and short causal rows
 leave little to overlap them with).
 """
 from __future__ import annotations
@@ -96,9 +96,11 @@ SHORT_TILES = {64: (64, 8, 2, 2), 80: (64, 8, 2, 2), 96: (64, 6, 2, 2), 128: (64
 # causal or not, 0.88-1.00x at 2048-4096 without a causal mask, level at 4096 with one (FlashAttention-3 does the
 # same at d = 64).
 # Q 24 + 5 x 32 + O 24 = 208 KB. Its 192-row tiles leave ragged ends at power-of-two lengths (12.5% of the rows
-# at 512-1024: 1.07-1.29x two consumers' time there), so short rows keep two. At d = 80 and 96 three consumers'
-# 160 registers spill with 128-key tiles (0.3-0.8 KB a thread).
-WIDE_TILES = {64: (128, 5, 1, 3)}
+# at 512-1024: 1.07-1.29x two consumers' time there), so short rows keep two. At d = 80 and 96 three consumers
+# with 64-key tiles (with 128-key ones their 160 registers spill, 0.3-0.8 KB a thread): 0.87-0.92x two consumers'
+# time from 2048 rows, causal or not (at S = 512 1.15-1.28x); d = 96, Q 36 + 6 x 24 + O 36 = 216 KB, d = 80,
+# 30 + 6 x 20 + 30 = 180 KB. At d = 128 (4 stages) they measured 0.96-1.05x, so it keeps two.
+WIDE_TILES = {64: (128, 5, 1, 3), 80: (64, 6, 1, 3), 96: (64, 6, 1, 3)}
 # setmaxnreg, by consumer count: consumers 240 (two) or 160 (three) registers a thread, the producer 32
 # (2 x 128 x 240 + 128 x 32 = 3 x 128 x 160 + 128 x 32 = 64 K; with 24 its tile arithmetic spills)
 CONSUMER_REGS, PRODUCER_REGS = {2: 240, 3: 160}, 32
