@@ -9,9 +9,8 @@ Timed per shape (bf16, causal, medians of `triton.testing.do_bench`): the forwar
 Gluon kernel (`backward: atomic_dq`) and as the Triton two-pass kernels; cuDNN's forward and backward through SDPA
 (backward: `autograd.grad` on a saved output). At d = 128 the Triton kernels run at the autotuner's choices for
 these shapes, pinned: forward 64x64 (4 warps, 3 stages), dQ 128x64 (8, 3), dK/dV 64x64 (4, 2); at other head dims
-the autotuner runs. The Gluon backward takes d = 64, 80, 96 (in its 128-wide tiles) and 128 (elsewhere its
-column shows "-"); the Gluon forward d = 64, 80, 96 (the head dim as a 64-column part and a 16- or 32-column tail)
-and 128.
+the autotuner runs. The Gluon kernels take d = 64, 80, 96 and 128 (elsewhere their columns show "-"), 80 and 96
+as a 64-column part and a 16- or 32-column tail.
 `--check` first runs forward+backward through `FlashAttentionTriton` against float64 attention on shapes that take
 the Gluon kernels (causal and not, GQA, N_q != N_k, odd lengths, fp16, views of a fused qkv projection) and says
 which kernels ran. Needs an sm_90 GPU and a Triton with Gluon. Writes a markdown table to `--out` (default
