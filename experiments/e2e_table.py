@@ -87,6 +87,10 @@ def main() -> None:
                     f"{(mfu * share if mfu is not None else float('nan')):.1%} | {peak:.1f} |")
         print(rows[-1], flush=True)
 
+    def out_of_memory(size: str, prec: str, attn: str, what: str) -> None:
+        rows.append(f"| {size} | | {prec} | {attn} | {what} | OOM | | | | |")
+        print(rows[-1], flush=True)
+
     def release() -> None:
         gc.collect()
         if torch.cuda.is_available():
@@ -109,8 +113,7 @@ def main() -> None:
                     for attn, run in runs.items():
                         record(run, size, prec, attn, mode, ms[attn])
             except torch.cuda.OutOfMemoryError:
-                rows.append(f"| {size} | | {prec} | {','.join(attentions)} | (models built together) | OOM | | | | |")
-                print(rows[-1], flush=True)
+                out_of_memory(size, prec, ",".join(attentions), "(models built together)")
             finally:
                 del runs
                 release()
@@ -125,13 +128,11 @@ def main() -> None:
                         record(run, size, prec, attn, mode,
                                [t * 1e3 for t in time_steps(run, mode, args.warmup, args.steps)])
                     except torch.cuda.OutOfMemoryError:
-                        rows.append(f"| {size} | | {prec} | {attn} | {mode} | OOM | | | | |")
-                        print(rows[-1], flush=True)
+                        out_of_memory(size, prec, attn, mode)
                         run.optimizer.zero_grad(set_to_none=True)
                         release()
             except torch.cuda.OutOfMemoryError:
-                rows.append(f"| {size} | | {prec} | {attn} | (model + optimizer) | OOM | | | | |")
-                print(rows[-1], flush=True)
+                out_of_memory(size, prec, attn, "(model + optimizer)")
             finally:
                 del run
                 release()
