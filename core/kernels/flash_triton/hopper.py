@@ -7,7 +7,7 @@ tiles that see it, from the (base-2 logsumexp, delta) pairs of the delta kernel 
 with what Triton 3.6 does not do for that loop:
 
 - K and V stay on chip as the wgmma A operands of S^T = K Q^T and dP^T = V dO^T (in registers at head dim 64,
-  in shared memory at 128);
+  in shared memory at 80-128);
 - the Q and dO tiles and the (lse2, delta) pairs arrive by TMA into a ring of shared-memory buffers, one
   mbarrier each (no per-thread address arithmetic);
 - the wgmmas are asynchronous and waited on where their results are needed: dP^T runs on the tensor cores while
@@ -44,7 +44,7 @@ shared-memory buffers and accumulators: S^T and dP^T are two wgmmas into one acc
 and the first warpgroup computes and reduces dQ's main part, the second its tail. Run in 128-wide tiles instead
 (the columns past d zeros), the kernel took 1.08-1.15x this time at d = 80 and 1.01-1.09x at 96 (the tiles did
 1.6x / 1.33x the matmul work). With fewer registers and bytes a stage than at 128, the ring has 4 stages loaded 3
-ahead (195 / 202 KB in all).
+ahead (179 / 207 KB of shared memory in all).
 
 Scope (`ws_applies`): compiled CUDA on sm_90, fp16 / bf16, head dim 64, 80, 96 or 128, 16-byte aligned Q / dO rows
 and an even N_q (each head's (lse2, delta) rows must start 16-byte aligned for the TMA); everything else runs the
@@ -101,7 +101,7 @@ BLOCK_M, BLOCK_N = 64, 64
 # the first warpgroup (the lighter one: the second computes dQ) can run ahead of the second; at 128, where the
 # warpgroups meet every step (both compute dQ) and K, V (64 KB) sit in shared memory, 3 stages (32.5 KB each)
 # loaded 2 steps ahead: 226 KB in all, of the 227 KB a program may have; at 80 and 96 (K, V 40 / 48 KB, a stage
-# 20.5 / 24.5 KB) 4 stages loaded 3 ahead, 195 / 202 KB
+# 20.5 / 24.5 KB) 4 stages loaded 3 ahead, 179 / 207 KB (5 at 80 and 3 at 96 measured 0.99-1.02x)
 WS_KEYS = 2 * BLOCK_N
 WS_RING = {64: (6, 3), 80: (4, 3), 96: (4, 3), 128: (3, 2)}
 WS_REGS = 256
