@@ -42,10 +42,10 @@ class FlashConfig:
     ws_min_rows: "auto" takes that kernel from this many query rows on, by head dim ({64: 4096, ...}; a head dim
         not named: never), or one number for every head dim it takes.
     hopper_fwd: the warp-specialised Gluon forward on sm_90 where it applies (`hopper_forward.fwd_applies`), on
-        grids the split-KV forward would not split; hopper_fwd_long_rows: under a causal mask, its 128-key tiles
-        from this many query rows on, 64-key ones below (a short causal row's few key tiles, the last one half
-        masked, pipeline better in more, smaller steps; rows without the mask see every key and take the 128-key
-        tiles);
+        grids the split-KV forward would not split; hopper_fwd_long_rows: from this many query rows on, its
+        long-row tiles (three consumers at d = 64, 80, 96; 128-key tiles at 128), below under a causal mask 64-key
+        tiles (a short causal row's few key tiles, the last one half masked, pipeline better in more, smaller
+        steps), without the mask the 128-key tiles;
         hopper_fwd_d64_min_rows: at head dim 64 under a causal mask only from this many query rows on (the Triton
         forward's 64-row tiles win below; without the mask the Gluon kernel wins at every length).
     split_kv: the split-KV forward on grids that leave SMs idle; split_keys forces a split length in keys on every
