@@ -121,7 +121,10 @@ class FlashConfig:
         """The query rows from which "auto" takes the Gluon backward at head dim d (None: never)."""
         if isinstance(self.ws_min_rows, int):
             return self.ws_min_rows
-        return dict(self.ws_min_rows).get(d)
+        for dim, rows in self.ws_min_rows:
+            if dim == d:
+                return rows
+        return None
 
     def replace(self, **changes: Any) -> "FlashConfig":
         return dataclasses.replace(self, **changes)

@@ -674,32 +674,34 @@ def tma_desc(t: Tensor, box: tuple[int, ...], swizzled: bool = True):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), _box_layout(box, t.dtype, swizzled))
 
 
+def part_descs(t: Tensor, rows: int, main: int, tail: int) -> tuple:
+    """4-D TMA descriptors over (Z, H, N, d) t's first `main` columns and its `tail` columns after them, loading or
+    storing (1, 1, rows, width) boxes (without a tail: the main one twice, the second never read)."""
+    if not tail:
+        desc = tma_desc(t, (1, 1, rows, main))
+        return desc, desc
+    return tma_desc(t[..., :main], (1, 1, rows, main)), tma_desc(t[..., main:], (1, 1, rows, tail))
+
+
 def ws_descs(q: Tensor, do: Tensor, stats: Tensor, dq_acc: Tensor) -> list:
-    """`_bwd_ws_kernel`'s TMA descriptors, 4-D over (Z, H, N, d) at the tensors' strides: Q and dO in their main
-    part and tail (without a tail, the main ones again, never read); the (lse2, delta) pairs as fp32 over all heads'
-    rows (in the kernel: int64, a pair each); the dQ buffer in the columns each warpgroup reduces (d = 64: all, for
-    the second; 128: half each; 80 / 96: the main part and the tail)."""
-    consts = ws_constexprs(q.shape[3])
-    main, tail = consts["HEAD_DIM"], consts["D_TAIL"]
-    descs = [tma_desc(t[..., :main] if tail else t, (1, 1, BLOCK_M, main)) for t in (q, do)]
-    tails = [tma_desc(t[..., main:], (1, 1, BLOCK_M, tail)) for t in (q, do)] if tail else descs
+    """`_bwd_ws_kernel`'s TMA descriptors: Q and dO in their main part and tail (`part_descs`); the (lse2, delta)
+    pairs as fp32 over all heads' rows (in the kernel: int64, a pair each); the dQ buffer in the columns each
+    warpgroup reduces (d = 64: all, for the second; 128: half each; 80 / 96: the main part and the tail)."""
+    main, tail = common._TILE_D[q.shape[3]]
+    q_desc, qt_desc = part_descs(q, BLOCK_M, main, tail)
+    do_desc, dot_desc = part_descs(do, BLOCK_M, main, tail)
     stats_desc = tma_desc(stats.view(-1), (2 * BLOCK_M,), swizzled=False)
-    split = main if tail else main // 2 if main > 64 else None
-    if split is None:
-        dq_descs = [tma_desc(dq_acc, (1, 1, BLOCK_M, main))] * 2
-    else:
-        dq_descs = [tma_desc(dq_acc[..., :split], (1, 1, BLOCK_M, split)),
-                    tma_desc(dq_acc[..., split:], (1, 1, BLOCK_M, dq_acc.shape[3] - split))]
-    return [*descs, *tails, stats_desc, *dq_descs]
+    dq_split = (main, tail) if tail else (main // 2, main // 2) if main > 64 else (main, 0)
+    return [q_desc, do_desc, qt_desc, dot_desc, stats_desc, *part_descs(dq_acc, BLOCK_M, *dq_split)]
 
 
 def launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_scale, is_causal) -> None:
     """dK, dV, and the unscaled dQ = dS K added into the zeroed fp32 `dq_acc` ((Z, H, N_q, d), contiguous), from
     the delta kernel's `stats` ((Z, H, N_q, 2) fp32, contiguous)."""
-    z = q.shape[0]
+    z, _, _, d = q.shape
     strides = tuple(s for t in (k, v, dk, dv) for s in t.stride()[:3])
     scalars = (h, h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale)
     # two warpgroups of 64 keys per program, head by head
     _bwd_ws_kernel[(z * h * _cdiv(n_k, WS_KEYS),)](
         *ws_descs(q, do, stats, dq_acc), k, v, dk, dv, *strides, *scalars, IS_CAUSAL=is_causal,
-        **ws_constexprs(q.shape[3]), num_warps=4)
+        **ws_constexprs(d), num_warps=4)
