@@ -1103,6 +1103,7 @@ _GLUON_FWD_COMPILE = """
 import torch
 from triton.runtime.jit import mangle_type
 from core.kernels.flash_triton import common, hopper, hopper_forward as hf
+turns = 0
 for d in hf.HEAD_DIMS:
     d_main, d_tail = common._TILE_D[d]
     for causal, tiles in ((True, hf.FWD_TILES), (False, hf.FWD_TILES), (True, hf.SHORT_TILES),
@@ -1113,7 +1114,8 @@ for d in hf.HEAD_DIMS:
         constexprs = dict(IS_CAUSAL=causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, STAGES=stages,
                           Q_BUFS=q_bufs, NUM_CONS=consumers,
                           CONSUMER_REGS=hf.CONSUMER_REGS[consumers], PRODUCER_REGS=hf.PRODUCER_REGS,
-                          PRODUCER_WARPS=hf.PRODUCER_WARPS, O_OWN=hf._o_own(d, block_n, stages, q_bufs, consumers))
+                          PRODUCER_WARPS=hf.PRODUCER_WARPS, O_OWN=hf._o_own(d, block_n, stages, q_bufs, consumers),
+                          PINGPONG=hf.pingpong(d, block_n, consumers))
         types = {"LSE": "*fp32"}
         for name in ("Q", "K", "V", "O", "Q_T", "K_T", "V_T", "O_T"):  # 4-D TMA descriptors made on the host
             rows = hf.HALF_M if name[0] in "QO" else block_n
@@ -1130,6 +1132,10 @@ for d in hf.HEAD_DIMS:
         # consumer warpgroups and a producer warpgroup, registers moved between them; within shared memory
         assert "setmaxnreg" in ptx and kernel.metadata.num_warps == 4 * (consumers + 1), d
         assert kernel.metadata.shared <= hf.SMEM_LIMIT, d
+        # ping-pong: each consumer waits for its turn and hands it over around every group of matmuls it issues
+        if constexprs["PINGPONG"]:
+            turns += 1
+assert turns == 6, turns  # the 128-key tiles at d = 80, 96 and 128, causal and not
 print("compiled")
 """
 
@@ -1261,6 +1267,31 @@ def test_gpu_gluon_fwd_matches(shape_q, n_k, causal, dtype, kv_heads, monkeypatc
         assert torch.equal(torch.isfinite(lse), seen) and (lse[seen].double() - ref_lse[seen]).abs().max() < 1e-3
         check_gqa_against_reference(cfg, b, h, kv_heads, n_q, n_k, d, dtype, causal)
     assert launches == [1, 1, 1, 1]  # every forward ran the Gluon kernel
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("n_q,n_k,causal", [(600, 600, True), (334, 200, True), (200, 333, True),
+                                            (700, 515, False)])
+def test_gpu_gluon_fwd_turns_match(d, n_q, n_k, causal):
+    """The Gluon forward's two consumers issuing their matmuls in turns (ping-pong, by default at d = 80, 96 and 128) or
+    not, at every head-dim class: output and logsumexp against float64, with rows that see no key (n_q > n_k under
+    the causal mask: the turns skip those tiles), ragged ends, and several query tiles a program."""
+    from core.kernels.flash_triton import hopper_forward as hf
+    if not (_gluon_usable() and hf.HAVE_GLUON):
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    torch.manual_seed(17)
+    q = torch.randn(3, 40, n_q, d, device="cuda", dtype=torch.bfloat16)  # 120 heads: programs walk several tiles
+    k, v = (torch.randn(3, 40, n_k, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), causal)
+    seen = torch.isfinite(ref_lse)
+    for turns in (True, False):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full(q.shape[:3], float("nan"), device="cuda", dtype=torch.float32)
+        hf.launch_fwd(q, k, v, out, lse, causal, d ** -0.5, hf.FWD_TILES[d], turns=turns)
+        assert rel_err(out, ref) < TOL[torch.bfloat16], turns
+        assert torch.equal(torch.isfinite(lse), seen) and (lse[seen].double() - ref_lse[seen]).abs().max() < 1e-3
 
 
 @gpu

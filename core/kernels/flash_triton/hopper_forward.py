@@ -17,14 +17,16 @@ each, in three or four partitions (`gl.warp_specialize`):
   folded into the scale) and fp32 output accumulator in registers. Per key tile j a consumer issues S_j = Q K_j^T,
   then O += P_{j-1} V_{j-1} (P in registers as the wgmma A operand), waits for S_j only, computes the softmax of S_j
   while the PV matmul runs, then waits for it, releases slot j-1 and rescales O: at most two wgmma groups in flight.
-  The consumers run unsynchronised, so one's softmax also overlaps the others' matmuls. A tile's O / l goes into
-  shared memory and out by one TMA store, which runs while the consumer stores the LSE and starts the next tile:
-  from an O buffer of the consumer's own where shared memory has room (`_o_own`; the Q block goes back to the
-  producer after the last S = Q K^T, and the store is waited on in the next epilogue), else from the tile's Q block
-  buffer (the last S has read it), handed back to the producer once the store has read it, at the next tile's start.
-  (Storing O from registers took 1.12-1.27x the time at S = 512-1024: scattered 4-byte stores, twice the L2 write
-  sectors, where a short-row forward is bound by memory.) Consumers keep `CONSUMER_REGS` registers a thread
-  (setmaxnreg), the producer `PRODUCER_REGS`.
+  The consumers run unsynchronised, so one's softmax also overlaps the others' matmuls; with two consumers and
+  128-key tiles at d = 80-128 (`pingpong`) they issue their matmul groups in turns (FlashAttention-3's ping-pong: an
+  mbarrier a consumer, handed over once its group is issued), which keeps one's softmax under the other's matmuls
+  rather than leaving it to chance. A tile's O / l goes into shared memory and out by one TMA store, which runs
+  while the consumer stores the LSE and starts the next tile: from an O buffer of the consumer's own where shared
+  memory has room (`_o_own`; the Q block goes back to the producer after the last S = Q K^T, and the store is waited
+  on in the next epilogue), else from the tile's Q block buffer (the last S has read it), handed back to the
+  producer once the store has read it, at the next tile's start. (Storing O from registers took 1.12-1.27x the time
+  at S = 512-1024: scattered 4-byte stores, twice the L2 write sectors, where a short-row forward is bound by
+  memory.) Consumers keep `CONSUMER_REGS` registers a thread (setmaxnreg), the producer `PRODUCER_REGS`.
 
 The TMA descriptors are 4-D, over (Z, H, N, d) at the tensors' strides, made on the host (building 2-D per-head
 ones in every program cost 20-25% at S = 512), so views such as q, k, v sliced from a fused projection are read in
@@ -104,6 +106,13 @@ WIDE_TILES = {64: (128, 5, 1, 3), 80: (64, 6, 1, 3), 96: (64, 6, 1, 3)}
 # setmaxnreg, by consumer count: consumers 240 (two) or 160 (three) registers a thread, the producer 32
 # (2 x 128 x 240 + 128 x 32 = 3 x 128 x 160 + 128 x 32 = 64 K; with 24 its tile arithmetic spills)
 CONSUMER_REGS, PRODUCER_REGS = {2: 240, 3: 160}, 32
+# head dims where two consumers with 128-key tiles issue their matmuls in turns (ping-pong, as FlashAttention-3):
+# one consumer's softmax then runs while the other's matmuls do, instead of the two drifting into step. Against no
+# turns: d = 128, 0.96-0.98x the time from 2048 rows, causal or not (1.02x at 512 without a mask); d = 96 0.94-0.96x
+# and d = 80 0.97-1.00x (rows under 2048 without a mask: their only use of these tiles); at d = 64, where the
+# exponentials take as long as the matmuls, 1.02-1.04x; with 64-key tiles (short causal rows) 1.05-1.09x, as the
+# turns' waits weigh on steps half as long
+PINGPONG_HEAD_DIMS = (80, 96, 128)
 SMEM_LIMIT = 232448  # bytes of shared memory a program may have on sm_90
 PRODUCER_WARPS = 4
 
@@ -275,12 +284,27 @@ if HAVE_GLUON:
         return o, ot, p_op
 
     @gluon.jit
+    def _my_turn(turn, g, ROLE: gl.constexpr, PINGPONG: gl.constexpr):
+        """With PINGPONG, wait until the other consumer has issued its g-th group of matmuls (this one's g-th turn;
+        consumer 0's first is pre-arrived)."""
+        if PINGPONG:
+            mbarrier.wait(turn.index(ROLE), g & 1)
+
+    @gluon.jit
+    def _hand_over(turn, ROLE: gl.constexpr, PINGPONG: gl.constexpr):
+        """With PINGPONG, the other consumer's turn: this one's matmuls are issued."""
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - ROLE), count=1)
+
+    @gluon.jit
     def _steps(it, start, end, q_tile, qt_tile, k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready, empty, o, ot,
                m_i, l_i, p_op, offs_m, offs_n0, n_k, causal_off, qk_scale, MASKED: gl.constexpr,
                IS_CAUSAL: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-               mma_s: gl.constexpr, mma_o: gl.constexpr, mma_t: gl.constexpr):
+               mma_s: gl.constexpr, mma_o: gl.constexpr, mma_t: gl.constexpr, turn, g0, ROLE: gl.constexpr,
+               PINGPONG: gl.constexpr):
         """Key tiles [start, end) (ring slot `it` first): issue S_j, issue O += P_{j-1} V_{j-1}, wait for S_j,
-        softmax of S_j under the PV matmul, wait for it, release slot j-1, rescale O. Returns P_j for the next."""
+        softmax of S_j under the PV matmul, wait for it, release slot j-1, rescale O. Returns P_j for the next.
+        With PINGPONG the two matmuls are issued in turns with the other consumer (its group g0 + it)."""
         dtype: gl.constexpr = q_tile.dtype
         # wgmma groups the PV matmuls leave in flight while S_j is awaited: one per head-dim part
         PV_GROUPS: gl.constexpr = 2 if D_TAIL > 0 else 1
@@ -289,9 +313,11 @@ if HAVE_GLUON:
             stage = it % STAGES
             prev = (it - 1) % STAGES
             mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
-            s = _scores(q_tile, qt_tile, stage, k_smem, kt_smem, zero_s, D_TAIL)
             mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
+            _my_turn(turn, g0 + it, ROLE, PINGPONG)
+            s = _scores(q_tile, qt_tile, stage, k_smem, kt_smem, zero_s, D_TAIL)
             o, ot = _pv(p_op, prev, v_smem, vt_smem, o, ot, D_TAIL)
+            _hand_over(turn, ROLE, PINGPONG)
             s = warpgroup_mma_wait(PV_GROUPS, deps=[s])
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, start_n + offs_n0, n_k, causal_off, qk_scale, MASKED,
                                           IS_CAUSAL)
@@ -308,10 +334,12 @@ if HAVE_GLUON:
     def _attend(it, row0, hi, q_tile, qt_tile, q_empty, k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready, empty,
                 n_k, causal_off, qk_scale, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, O_OWN: gl.constexpr, mma_s: gl.constexpr,
-                mma_o: gl.constexpr, mma_t: gl.constexpr):
+                mma_o: gl.constexpr, mma_t: gl.constexpr, turn, g0, ROLE: gl.constexpr, PINGPONG: gl.constexpr):
         """Online softmax of the 64 rows from row0 over keys [0, hi) (at least one key tile), from ring slot `it`,
         with O_OWN releasing the Q block (q_empty) once the last S = Q K^T is done: (it after the last tile, O
-        unnormalised (main part, tail), m, l)."""
+        unnormalised (main part, tail), m, l). With PINGPONG each group of matmuls is issued in turn with the
+        other consumer: a tile of n key tiles makes n + 1 groups (S_0; S_j with P_{j-1} V_{j-1}; the last PV), the
+        first of them the other's group g0 + it."""
         dtype: gl.constexpr = q_tile.dtype
         offs_m = row0 + gl.arange(0, _HALF_M, layout=gl.SliceLayout(1, mma_s))
         offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
@@ -328,7 +356,9 @@ if HAVE_GLUON:
         stage = it % STAGES
         mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
         zero_s = gl.zeros([_HALF_M, BLOCK_N], gl.float32, layout=mma_s)
+        _my_turn(turn, g0 + it, ROLE, PINGPONG)
         s = _scores(q_tile, qt_tile, stage, k_smem, kt_smem, zero_s, D_TAIL)
+        _hand_over(turn, ROLE, PINGPONG)
         s = warpgroup_mma_wait(0, deps=[s])
         p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, offs_n0, n_k, causal_off, qk_scale, True, IS_CAUSAL)
         p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(0, mma_o, 2))
@@ -336,27 +366,29 @@ if HAVE_GLUON:
         it, o, ot, m_i, l_i, p_op = _steps(it, BLOCK_N, full_hi, q_tile, qt_tile, k_smem, v_smem, kt_smem, vt_smem,
                                            k_ready, v_ready, empty, o, ot, m_i, l_i, p_op, offs_m, offs_n0, n_k,
                                            causal_off, qk_scale, False, IS_CAUSAL, D_TAIL, BLOCK_N, STAGES, mma_s,
-                                           mma_o, mma_t)
+                                           mma_o, mma_t, turn, g0, ROLE, PINGPONG)
         it, o, ot, m_i, l_i, p_op = _steps(it, gl.maximum(full_hi, BLOCK_N), hi, q_tile, qt_tile, k_smem, v_smem,
                                            kt_smem, vt_smem, k_ready, v_ready, empty, o, ot, m_i, l_i, p_op, offs_m,
                                            offs_n0, n_k, causal_off, qk_scale, True, IS_CAUSAL, D_TAIL, BLOCK_N,
-                                           STAGES, mma_s, mma_o, mma_t)
+                                           STAGES, mma_s, mma_o, mma_t, turn, g0, ROLE, PINGPONG)
         if O_OWN:  # the producer may load the next tile's Q while the last PV runs
             mbarrier.arrive(q_empty, count=1)
         # the last key tile's PV
         prev = (it - 1) % STAGES
         mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
+        _my_turn(turn, g0 + it, ROLE, PINGPONG)
         o, ot = _pv(p_op, prev, v_smem, vt_smem, o, ot, D_TAIL)
+        _hand_over(turn, ROLE, PINGPONG)
         o, ot, p_op = _pv_wait(o, ot, p_op, D_TAIL)
         mbarrier.arrive(empty.index(prev), count=1)
         return it, o, ot, m_i, l_i
 
     @gluon.jit
     def _consumer(ROLE: gl.constexpr, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem,
-                  ot_smem, q_ready, q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads,
+                  ot_smem, q_ready, q_empty, k_ready, v_ready, empty, turn, n_units, n_pairs, n_tiles, n_zh, n_heads,
                   kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr,
                   D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-                  O_OWN: gl.constexpr, NUM_CONS: gl.constexpr):
+                  O_OWN: gl.constexpr, NUM_CONS: gl.constexpr, PINGPONG: gl.constexpr):
         """Rows ROLE * 64 ... of each of the program's query tiles: attention over the tile's key tiles, then O
         (by TMA, from this warpgroup's O buffer with O_OWN, else from the tile's Q buffer) and the LSE stored."""
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -376,6 +408,7 @@ if HAVE_GLUON:
         SKIP: gl.constexpr = NUM_CONS > 2
         it = 0  # key tiles consumed
         n_done = 0  # query tiles consumed
+        n_seen = 0  # query tiles with keys to attend to (the ping-pong turns: n + 1 per tile of n key tiles)
         for k in range(0, _walk_len(n_units)):
             exists, pid_zh, off_z, off_h, off_hk, start_m, hi, n_kt = _tile(k, n_units, n_pairs, n_tiles, n_zh, n_heads,
                                                                             kv_group, n_k, causal_off, IS_CAUSAL,
@@ -408,7 +441,9 @@ if HAVE_GLUON:
                     it, o, ot, m_i, l_i = _attend(it, row0, my_hi, q_smem.index(qb), qt_smem.index(qb),
                                                   q_empty.index(qb), k_smem, v_smem, kt_smem, vt_smem, k_ready,
                                                   v_ready, empty, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN,
-                                                  D_TAIL, BLOCK_N, STAGES, O_OWN, mma_s, mma_o, mma_t)
+                                                  D_TAIL, BLOCK_N, STAGES, O_OWN, mma_s, mma_o, mma_t, turn,
+                                                  n_seen, ROLE, PINGPONG)
+                    n_seen += 1
                 else:  # rows past n_q, or causal with n_q > n_k + the rows: no key visible
                     if O_OWN:
                         mbarrier.arrive(q_empty.index(qb), count=1)
@@ -451,8 +486,9 @@ if HAVE_GLUON:
                        IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, Q_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, O_OWN: gl.constexpr,
-                       NUM_CONS: gl.constexpr):
+                       NUM_CONS: gl.constexpr, PINGPONG: gl.constexpr):
         gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
+        gl.static_assert(NUM_CONS == 2 or not PINGPONG, "ping-pong turns are between two consumers")
         # persistent: the program walks pairs of query tiles of 2 x 64 rows (`_tile`), head-major
         n_tiles = gl.cdiv(n_q, NUM_CONS * _HALF_M)
         n_pairs = n_tiles // 2  # pairs of query tiles a head, and two heads' middle tiles a unit (`_tile`)
@@ -495,23 +531,29 @@ if HAVE_GLUON:
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=NUM_CONS)  # released by every consumer
+        # ping-pong: turn[c] is consumer c's to issue its next matmuls, handed over by the other (`_hand_over`)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
         fence_async_shared()
+        if PINGPONG:
+            mbarrier.arrive(turn.index(0), count=1)  # consumer 0 issues first
         # (the argument tuples are spelled out, once per consumer count: a tuple or list built in Gluon code drops
         # its constexprs, so the partitions cannot be assembled in a loop)
         if NUM_CONS == 3:
             gl.warp_specialize([
                 (_consumer, (0, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
-                             q_ready, q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads,
-                             kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES,
-                             Q_BUFS, O_OWN, NUM_CONS)),
+                             q_ready, q_empty, k_ready, v_ready, empty, turn, n_units, n_pairs, n_tiles, n_zh,
+                             n_heads, kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
+                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG)),
                 (_consumer, (1, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
-                             q_ready, q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads,
-                             kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES,
-                             Q_BUFS, O_OWN, NUM_CONS)),
+                             q_ready, q_empty, k_ready, v_ready, empty, turn, n_units, n_pairs, n_tiles, n_zh,
+                             n_heads, kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
+                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG)),
                 (_consumer, (2, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
-                             q_ready, q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads,
-                             kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES,
-                             Q_BUFS, O_OWN, NUM_CONS)),
+                             q_ready, q_empty, k_ready, v_ready, empty, turn, n_units, n_pairs, n_tiles, n_zh,
+                             n_heads, kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
+                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG)),
                 (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
                              q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads, kv_group, n_k,
                              causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, NUM_CONS)),
@@ -519,13 +561,13 @@ if HAVE_GLUON:
         else:
             gl.warp_specialize([
                 (_consumer, (0, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
-                             q_ready, q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads,
-                             kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES,
-                             Q_BUFS, O_OWN, NUM_CONS)),
+                             q_ready, q_empty, k_ready, v_ready, empty, turn, n_units, n_pairs, n_tiles, n_zh,
+                             n_heads, kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
+                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG)),
                 (_consumer, (1, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
-                             q_ready, q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads,
-                             kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES,
-                             Q_BUFS, O_OWN, NUM_CONS)),
+                             q_ready, q_empty, k_ready, v_ready, empty, turn, n_units, n_pairs, n_tiles, n_zh,
+                             n_heads, kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
+                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG)),
                 (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
                              q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads, kv_group, n_k,
                              causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, NUM_CONS)),
@@ -566,11 +608,17 @@ def fwd_tiles(d: int, n_q: int, is_causal: bool, long_rows: int) -> tuple[int, i
     return WIDE_TILES.get(d, FWD_TILES[d])
 
 
+def pingpong(d: int, block_n: int, consumers: int) -> bool:
+    """Whether the two consumers issue their matmuls in turns (`PINGPONG_HEAD_DIMS`)."""
+    return consumers == 2 and block_n == 128 and d in PINGPONG_HEAD_DIMS
+
+
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, sm_scale: float,
-               tiles: tuple[int, int, int, int] | None = None) -> None:
+               tiles: tuple[int, int, int, int] | None = None, turns: bool | None = None) -> None:
     """O (preallocated like q, or at any strides a TMA descriptor takes: unit last, 16-byte aligned base and
     others) and lse ((Z, H, N_q) fp32, contiguous) of attention on 4-D (Z, H, N, d) q, k, v (k, v: H / kv_group
-    heads), where `fwd_applies`; tiles: (BLOCK_N, STAGES, Q_BUFS, consumers), `FWD_TILES`' by default."""
+    heads), where `fwd_applies`; tiles: (BLOCK_N, STAGES, Q_BUFS, consumers), `FWD_TILES`' by default; turns:
+    ping-pong between two consumers, by default where `pingpong`."""
     z, h, n_q, d = q.shape
     n_k = k.shape[2]
     d_main, d_tail = common._TILE_D[d]
@@ -587,5 +635,6 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causa
         *descs, *tails, lse, h, h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E, z * h,
         IS_CAUSAL=is_causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, STAGES=stages, Q_BUFS=q_bufs,
         O_OWN=_o_own(d, block_n, stages, q_bufs, consumers), NUM_CONS=consumers,
+        PINGPONG=pingpong(d, block_n, consumers) if turns is None else turns,
         CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS, PRODUCER_WARPS=PRODUCER_WARPS,
         num_warps=4)
