@@ -108,10 +108,10 @@ WIDE_TILES = {64: (128, 5, 1, 3), 80: (64, 6, 1, 3), 96: (64, 6, 1, 3)}
 CONSUMER_REGS, PRODUCER_REGS = {2: 240, 3: 160}, 32
 # head dims where two consumers with 128-key tiles issue their matmuls in turns (ping-pong, as FlashAttention-3):
 # one consumer's softmax then runs while the other's matmuls do, instead of the two drifting into step. Against no
-# turns: d = 128, 0.96-0.98x the time from 2048 rows, causal or not (1.02x at 512 without a mask); d = 96 0.94-0.96x
-# and d = 80 0.97-1.00x (rows under 2048 without a mask: their only use of these tiles); at d = 64, where the
-# exponentials take as long as the matmuls, 1.02-1.04x; with 64-key tiles (short causal rows) 1.05-1.09x, as the
-# turns' waits weigh on steps half as long
+# turns (one process, H100): d = 128, 0.98x the time at 2048 rows causal, 0.95-0.96x without the mask, level
+# (0.99-1.01x) at 8192-16384 causal; d = 96 0.93x and d = 80 0.96x on the rows these tiles serve there (under 2048
+# without a mask). Not at d = 64, where the exponentials take as long as the matmuls (1.02-1.04x), nor with the
+# 64-key short-row tiles (1.06-1.09x: the waits weigh on steps half as long)
 PINGPONG_HEAD_DIMS = (80, 96, 128)
 SMEM_LIMIT = 232448  # bytes of shared memory a program may have on sm_90
 PRODUCER_WARPS = 4
@@ -313,9 +313,12 @@ if HAVE_GLUON:
             stage = it % STAGES
             prev = (it - 1) % STAGES
             mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
-            mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
-            _my_turn(turn, g0 + it, ROLE, PINGPONG)
+            if PINGPONG:  # both operands' tiles in before the turn is taken, so the turn's two issues run back to back
+                mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
+                _my_turn(turn, g0 + it, ROLE, PINGPONG)
             s = _scores(q_tile, qt_tile, stage, k_smem, kt_smem, zero_s, D_TAIL)
+            if not PINGPONG:  # S_j runs while V_{j-1} may still be on its way
+                mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
             o, ot = _pv(p_op, prev, v_smem, vt_smem, o, ot, D_TAIL)
             _hand_over(turn, ROLE, PINGPONG)
             s = warpgroup_mma_wait(PV_GROUPS, deps=[s])
@@ -531,10 +534,12 @@ if HAVE_GLUON:
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=NUM_CONS)  # released by every consumer
-        # ping-pong: turn[c] is consumer c's to issue its next matmuls, handed over by the other (`_hand_over`)
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
+        if PINGPONG:  # turn[c]: consumer c's to issue its next matmuls, handed over by the other (`_hand_over`)
+            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(turn.index(0), count=1)
+            mbarrier.init(turn.index(1), count=1)
+        else:  # never read
+            turn = empty
         fence_async_shared()
         if PINGPONG:
             mbarrier.arrive(turn.index(0), count=1)  # consumer 0 issues first
