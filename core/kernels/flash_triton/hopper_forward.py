@@ -285,8 +285,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _my_turn(turn, g, ROLE: gl.constexpr, PINGPONG: gl.constexpr):
-        """With PINGPONG, wait until the other consumer has issued its g-th group of matmuls (this one's g-th turn;
-        consumer 0's first is pre-arrived)."""
+        """With PINGPONG, wait for this consumer's g-th turn: consumer 1's once consumer 0 has issued its g-th group
+        of matmuls, consumer 0's once consumer 1 has issued its (g-1)-th (the first is pre-arrived)."""
         if PINGPONG:
             mbarrier.wait(turn.index(ROLE), g & 1)
 
@@ -304,7 +304,7 @@ if HAVE_GLUON:
                PINGPONG: gl.constexpr):
         """Key tiles [start, end) (ring slot `it` first): issue S_j, issue O += P_{j-1} V_{j-1}, wait for S_j,
         softmax of S_j under the PV matmul, wait for it, release slot j-1, rescale O. Returns P_j for the next.
-        With PINGPONG the two matmuls are issued in turns with the other consumer (its group g0 + it)."""
+        With PINGPONG the two matmuls are issued in turns with the other consumer (this one's group g0 + it)."""
         dtype: gl.constexpr = q_tile.dtype
         # wgmma groups the PV matmuls leave in flight while S_j is awaited: one per head-dim part
         PV_GROUPS: gl.constexpr = 2 if D_TAIL > 0 else 1
@@ -342,7 +342,7 @@ if HAVE_GLUON:
         with O_OWN releasing the Q block (q_empty) once the last S = Q K^T is done: (it after the last tile, O
         unnormalised (main part, tail), m, l). With PINGPONG each group of matmuls is issued in turn with the
         other consumer: a tile of n key tiles makes n + 1 groups (S_0; S_j with P_{j-1} V_{j-1}; the last PV), the
-        first of them the other's group g0 + it."""
+        first of them this consumer's group g0 + it."""
         dtype: gl.constexpr = q_tile.dtype
         offs_m = row0 + gl.arange(0, _HALF_M, layout=gl.SliceLayout(1, mma_s))
         offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
