@@ -5,12 +5,15 @@
         --extra compile=true --attention sdpa,flash_triton     # our kernel end to end against SDPA
 
 With several `--attention` implementations each (size, precision, mode) row is measured for each of them in
-the same process, and a last table gives each one's time over the first one's; `--interleave R` builds their models
-together and alternates R rounds of their timed steps (for ratios of a percent or two: the GPU's state drifts
-between one model's run and the next's; peak memory then counts every model's).
+the same process, and a last table gives each one's median step time over the first one's; `--interleave R` builds
+their models together and alternates R rounds of their timed steps (for ratios of a percent or two: the GPU's state
+drifts between one model's run and the next's; peak memory then counts every model's), and the ratio table then
+gives the median of the R rounds' ratios with their range, the spread to read a ratio against. Medians, because a
+single step can take milliseconds longer when the host stalls (a step synchronises at its end, so the next one
+starts with an idle GPU).
 
-Every model size x precision x {forward, forward_backward, train_step}: mean and standard
-deviation over timed steps after warm-up, synchronising after every step, B=4, T=512 by
+Every model size x precision x {forward, forward_backward, train_step}: mean, standard
+deviation and median over timed steps after warm-up, synchronising after every step, B=4, T=512 by
 default, through the trainer's own benchmark mode (`core.benchmark.time_steps`). Out of
 memory is shown as such. Prints a markdown table and writes it to `--out` (default
 `outputs/bench/e2e_table/<time>.md`).
@@ -61,10 +64,12 @@ def main() -> None:
               f"--batch {args.batch} --seq {args.seq} --warmup {args.warmup} --steps {args.steps}"
               + (f" --extra {args.extra}" if args.extra else "") + f" --attention {args.attention}"
               + (f" --interleave {args.interleave}" if args.interleave else ""), "",
-              "| model | params | precision | attention | mode | mean ms | std ms | tok/s | MFU | peak GiB |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| model | params | precision | attention | mode | mean ms | std ms | median ms | tok/s | MFU "
+              "| peak GiB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = []
-    means: dict[tuple, float] = {}
+    medians: dict[tuple, float] = {}
+    round_medians: dict[tuple, list[float]] = {}  # interleaved: each round's median step, by (size, prec, mode, attn)
     attentions = args.attention.split(",")
     def overrides_for(size: str, prec: str, attn: str) -> list[str]:
         overrides = [f"model={size}", f"precision={prec}", f"attention_impl={attn}", "data=synthetic", "logger=none",
@@ -81,14 +86,15 @@ def main() -> None:
         share = 1 / 3 if mode == "forward" else 1.0
         mfu = run.flops.mfu(mean / 1e3)
         peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-        means[(size, prec, mode, attn)] = mean
+        medians[(size, prec, mode, attn)] = statistics.median(ms)
         rows.append(f"| {size} | {run.model_cfg.num_params() / 1e9:.2f}B | {prec} | {run.attention} | {mode} | "
-                    f"{mean:.1f} | {std:.1f} | {run.tokens_per_step / (mean / 1e3):,.0f} | "
+                    f"{mean:.1f} | {std:.1f} | {statistics.median(ms):.1f} | "
+                    f"{run.tokens_per_step / (mean / 1e3):,.0f} | "
                     f"{(mfu * share if mfu is not None else float('nan')):.1%} | {peak:.1f} |")
         print(rows[-1], flush=True)
 
     def out_of_memory(size: str, prec: str, attn: str, what: str) -> None:
-        rows.append(f"| {size} | | {prec} | {attn} | {what} | OOM | | | | |")
+        rows.append(f"| {size} | | {prec} | {attn} | {what} | OOM | | | | | |")
         print(rows[-1], flush=True)
 
     def release() -> None:
@@ -109,7 +115,9 @@ def main() -> None:
                         time_steps(run, mode, args.warmup, 0)
                     for _ in range(interleave):
                         for attn, run in runs.items():
-                            ms[attn] += [t * 1e3 for t in time_steps(run, mode, 0, max(1, args.steps // interleave))]
+                            step_ms = [t * 1e3 for t in time_steps(run, mode, 0, max(1, args.steps // interleave))]
+                            ms[attn] += step_ms
+                            round_medians.setdefault((size, prec, mode, attn), []).append(statistics.median(step_ms))
                     for attn, run in runs.items():
                         record(run, size, prec, attn, mode, ms[attn])
             except torch.cuda.OutOfMemoryError:
@@ -139,16 +147,31 @@ def main() -> None:
             write_result(out, "\n".join(header + rows) + "\n")  # after every point: a crash keeps the rows so far
     if len(attentions) > 1:
         base = attentions[0]
-        rows += ["", f"| model | precision | mode | " + " | ".join(f"{a} / {base}" for a in attentions[1:]) + " |",
+        what = "median of the rounds' median-step ratios [their range]" if interleave else "median step ratio"
+        rows += ["", f"{what}:", "",
+                 f"| model | precision | mode | " + " | ".join(f"{a} / {base}" for a in attentions[1:]) + " |",
                  "|---|---|---|" + "---|" * (len(attentions) - 1)]
-        for (size, prec, mode, attn), ms in means.items():
+        for (size, prec, mode, attn) in medians:
             if attn == base:
-                cells = [f"{means[(size, prec, mode, a)] / ms:.3f}" if (size, prec, mode, a) in means else "-"
-                         for a in attentions[1:]]
+                cells = [ratio_cell(medians, round_medians, (size, prec, mode), base, a) for a in attentions[1:]]
                 rows.append(f"| {size} | {prec} | {mode} | " + " | ".join(cells) + " |")
         write_result(out, "\n".join(header + rows) + "\n")
     print("\n".join(header + rows))
     print(f"written to {out}")
+
+
+def ratio_cell(medians: dict[tuple, float], round_medians: dict[tuple, list[float]], point: tuple, base: str,
+               attn: str) -> str:
+    """attn's step time over base's at point (size, precision, mode): with interleaved rounds the median of the
+    rounds' ratios (each round's median step over the base's in the same round) and their range, else the ratio of
+    the two median steps; "-" where either was not measured (out of memory)."""
+    if (*point, attn) not in medians or (*point, base) not in medians:
+        return "-"
+    ours, theirs = round_medians.get((*point, attn)), round_medians.get((*point, base))
+    if ours and theirs and len(ours) == len(theirs):
+        ratios = [a / b for a, b in zip(ours, theirs)]
+        return f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]"
+    return f"{medians[(*point, attn)] / medians[(*point, base)]:.3f}"
 
 
 if __name__ == "__main__":

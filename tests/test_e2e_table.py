@@ -1,0 +1,38 @@
+"""The end-to-end benchmark table: its ratio cells, and a run of two attention implementations' tiny models."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from experiments.e2e_table import ratio_cell
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ratio_cell_takes_medians_of_round_ratios():
+    """Interleaved: the median of the rounds' ratios and their range, so one slow round of the baseline moves the
+    median little (a ratio of means would move with it); one model after the other: the ratio of the median steps;
+    a point one of them did not measure (out of memory): "-"."""
+    point = ("medium", "bf16", "train_step")
+    medians = {(*point, "sdpa"): 100.0, (*point, "flash"): 99.0}
+    rounds = {(*point, "sdpa"): [100.0, 100.0, 150.0], (*point, "flash"): [99.0, 101.0, 100.0]}
+    assert ratio_cell(medians, rounds, point, "sdpa", "flash") == "0.990 [0.667-1.010]"
+    assert ratio_cell(medians, {}, point, "sdpa", "flash") == "0.990"
+    assert ratio_cell(medians, rounds, point, "sdpa", "naive") == "-"
+
+
+def test_interleaved_run_writes_a_ratio_with_its_range(tmp_path):
+    """Two attention implementations' tiny models on the CPU, two interleaved rounds: both rows (with their median
+    step) and the ratio table with a range in the file written."""
+    out = tmp_path / "t.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "e2e_table.py"), "--sizes", "tiny", "--precisions", "fp32",
+                           "--modes", "train_step", "--attention", "sdpa,flash_torch", "--interleave", "2",
+                           "--steps", "2", "--warmup", "1", "--seq", "64", "--batch", "2", "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = out.read_text()
+    assert re.search(r"\| tiny \| .* \| sdpa \| train_step \|( [\d.,]+ \|){4}", text)
+    assert re.search(r"\| tiny \| .* \| flash_torch \| train_step \|( [\d.,]+ \|){4}", text)
+    assert re.search(r"\| tiny \| fp32 \| train_step \| \d\.\d{3} \[\d\.\d{3}-\d\.\d{3}\] \|", text), text
