@@ -1103,7 +1103,7 @@ _GLUON_FWD_COMPILE = """
 import torch
 from triton.runtime.jit import mangle_type
 from core.kernels.flash_triton import common, hopper, hopper_forward as hf
-turns = 0
+turns = peeled = 0
 for d in hf.HEAD_DIMS:
     d_main, d_tail = common._TILE_D[d]
     for causal, tiles in ((True, hf.FWD_TILES), (False, hf.FWD_TILES), (True, hf.SHORT_TILES),
@@ -1115,7 +1115,7 @@ for d in hf.HEAD_DIMS:
                           Q_BUFS=q_bufs, NUM_CONS=consumers,
                           CONSUMER_REGS=hf.CONSUMER_REGS[consumers], PRODUCER_REGS=hf.PRODUCER_REGS,
                           PRODUCER_WARPS=hf.PRODUCER_WARPS, O_OWN=hf._o_own(d, block_n, stages, q_bufs, consumers),
-                          PINGPONG=hf.pingpong(d, block_n, consumers))
+                          PINGPONG=hf.pingpong(d, block_n, consumers), ONE_LOOP=hf.one_loop(block_n, consumers))
         types = {"LSE": "*fp32"}
         for name in ("Q", "K", "V", "O", "Q_T", "K_T", "V_T", "O_T"):  # 4-D TMA descriptors made on the host
             rows = hf.HALF_M if name[0] in "QO" else block_n
@@ -1135,7 +1135,15 @@ for d in hf.HEAD_DIMS:
         # ping-pong: each consumer waits for its turn and hands it over around every group of matmuls it issues
         if constexprs["PINGPONG"]:
             turns += 1
+        # a consumer's copies of S = Q K^T (d / 16 wgmmas) and O += P V (BLOCK_N / 16 a head-dim part): with the
+        # first key tile in the loop, one S and two PVs (the loop's, the last tile's), else three of each (the
+        # peeled first tile, the loops over full and over masked tiles, the last PV)
+        s_copies, pv_copies = (1, 2) if constexprs["ONE_LOOP"] else (3, 3)
+        per_consumer = s_copies * d // 16 + pv_copies * (block_n // 16) * (2 if d_tail else 1)
+        assert ptx.count("wgmma.mma_async") == consumers * per_consumer, (d, causal, tiles[d])
+        peeled += not constexprs["ONE_LOOP"]
 assert turns == 6, turns  # the 128-key tiles at d = 80, 96 and 128, causal and not
+assert peeled == 4, peeled  # three consumers over 64-key tiles: d = 80 and 96, causal and not
 print("compiled")
 """
 

@@ -66,7 +66,7 @@ class FlashConfig:
         default_factory=lambda: dict(WS_MIN_ROWS))
     hopper_fwd: bool = True
     hopper_fwd_long_rows: int = 2048
-    hopper_fwd_d64_min_rows: int = 8192
+    hopper_fwd_d64_min_rows: int = 4096
     split_kv: bool = True
     split_keys: int | None = None
     max_splits: int = 4

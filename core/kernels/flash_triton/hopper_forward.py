@@ -17,6 +17,8 @@ each, in three or four partitions (`gl.warp_specialize`):
   folded into the scale) and fp32 output accumulator in registers. Per key tile j a consumer issues S_j = Q K_j^T,
   then O += P_{j-1} V_{j-1} (P in registers as the wgmma A operand), waits for S_j only, computes the softmax of S_j
   while the PV matmul runs, then waits for it, releases slot j-1 and rescales O: at most two wgmma groups in flight.
+  A query tile's first key tile runs in that loop too, its PV a no-op (P = 0), where that pays (`one_loop`: one copy
+  of the step's code fewer, which the instruction cache holds better), else it is peeled off the loop.
   The consumers run unsynchronised, so one's softmax also overlaps the others' matmuls; with two consumers and
   128-key tiles at d = 80-128 (`pingpong`) they issue their matmul groups in turns (FlashAttention-3's ping-pong: an
   mbarrier a consumer, handed over once its group is issued), which keeps one's softmax under the other's matmuls
@@ -297,35 +299,50 @@ if HAVE_GLUON:
             mbarrier.arrive(turn.index(1 - ROLE), count=1)
 
     @gluon.jit
-    def _steps(it, start, end, q_tile, qt_tile, k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready, empty, o, ot,
-               m_i, l_i, p_op, offs_m, offs_n0, n_k, causal_off, qk_scale, MASKED: gl.constexpr,
+    def _steps(it, start, end, mask_from, q_tile, qt_tile, k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready,
+               empty, o, ot, m_i, l_i, p_op, offs_m, offs_n0, n_k, causal_off, qk_scale, MASKED: gl.constexpr,
                IS_CAUSAL: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                mma_s: gl.constexpr, mma_o: gl.constexpr, mma_t: gl.constexpr, turn, g0, ROLE: gl.constexpr,
-               PINGPONG: gl.constexpr):
+               PINGPONG: gl.constexpr, ONE_LOOP: gl.constexpr):
         """Key tiles [start, end) (ring slot `it` first): issue S_j, issue O += P_{j-1} V_{j-1}, wait for S_j,
         softmax of S_j under the PV matmul, wait for it, release slot j-1, rescale O. Returns P_j for the next.
-        With PINGPONG the two matmuls are issued in turns with the other consumer (this one's group g0 + it)."""
+        With PINGPONG the two matmuls are issued in turns with the other consumer (this one's group g0 + it).
+        With ONE_LOOP the loop runs a query tile's every key tile: the first one's PV multiplies its own V tile by
+        P = 0 (p_op comes in as zeros; a no-op, which keeps one copy of the step's code), and the softmax is masked
+        from key mask_from on; else every step's softmax is MASKED or not."""
         dtype: gl.constexpr = q_tile.dtype
         # wgmma groups the PV matmuls leave in flight while S_j is awaited: one per head-dim part
         PV_GROUPS: gl.constexpr = 2 if D_TAIL > 0 else 1
         zero_s = gl.zeros([_HALF_M, BLOCK_N], gl.float32, layout=mma_s)
         for start_n in range(start, end, BLOCK_N):
             stage = it % STAGES
-            prev = (it - 1) % STAGES
+            pv_it = it - 1  # the key tile whose PV this step issues
+            if ONE_LOOP:
+                pv_it += (start_n == 0).to(gl.int32)
+            prev = pv_it % STAGES
             mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
             if PINGPONG:  # both operands' tiles in before the turn is taken, so the turn's two issues run back to back
-                mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
+                mbarrier.wait(v_ready.index(prev), (pv_it // STAGES) & 1)
                 _my_turn(turn, g0 + it, ROLE, PINGPONG)
             s = _scores(q_tile, qt_tile, stage, k_smem, kt_smem, zero_s, D_TAIL)
             if not PINGPONG:  # S_j runs while V_{j-1} may still be on its way
-                mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
+                mbarrier.wait(v_ready.index(prev), (pv_it // STAGES) & 1)
             o, ot = _pv(p_op, prev, v_smem, vt_smem, o, ot, D_TAIL)
             _hand_over(turn, ROLE, PINGPONG)
             s = warpgroup_mma_wait(PV_GROUPS, deps=[s])
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, start_n + offs_n0, n_k, causal_off, qk_scale, MASKED,
-                                          IS_CAUSAL)
+            if ONE_LOOP:
+                if start_n >= mask_from:
+                    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, start_n + offs_n0, n_k, causal_off, qk_scale,
+                                                  True, IS_CAUSAL)
+                else:
+                    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, start_n + offs_n0, n_k, causal_off, qk_scale,
+                                                  False, IS_CAUSAL)
+            else:
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, start_n + offs_n0, n_k, causal_off, qk_scale,
+                                              MASKED, IS_CAUSAL)
             o, ot, p_op = _pv_wait(o, ot, p_op, D_TAIL)
-            mbarrier.arrive(empty.index(prev), count=1)
+            # (a first step's V slot is released after the tile's next PV has read it)
+            mbarrier.arrive(empty.index(prev), count=1, pred=(start_n > 0) | (not ONE_LOOP))
             o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, mma_o)), 1)
             if D_TAIL > 0:
                 ot = ot * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, mma_t)), 1)
@@ -337,12 +354,15 @@ if HAVE_GLUON:
     def _attend(it, row0, hi, q_tile, qt_tile, q_empty, k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready, empty,
                 n_k, causal_off, qk_scale, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, O_OWN: gl.constexpr, mma_s: gl.constexpr,
-                mma_o: gl.constexpr, mma_t: gl.constexpr, turn, g0, ROLE: gl.constexpr, PINGPONG: gl.constexpr):
+                mma_o: gl.constexpr, mma_t: gl.constexpr, turn, g0, ROLE: gl.constexpr, PINGPONG: gl.constexpr,
+                ONE_LOOP: gl.constexpr):
         """Online softmax of the 64 rows from row0 over keys [0, hi) (at least one key tile), from ring slot `it`,
         with O_OWN releasing the Q block (q_empty) once the last S = Q K^T is done: (it after the last tile, O
         unnormalised (main part, tail), m, l). With PINGPONG each group of matmuls is issued in turn with the
-        other consumer: a tile of n key tiles makes n + 1 groups (S_0; S_j with P_{j-1} V_{j-1}; the last PV), the
-        first of them this consumer's group g0 + it."""
+        other consumer: a tile of n key tiles makes n + 1 groups (S_0 (with ONE_LOOP a no-op PV); S_j with
+        P_{j-1} V_{j-1}; the last PV), the first of them this consumer's group g0 + it. Key tile 0 has no PV to
+        overlap: with ONE_LOOP it runs in the loop all the same (`_steps`), else it is peeled off the loop and
+        the full and the masked key tiles run in a loop each: three copies of the softmax's code instead of two."""
         dtype: gl.constexpr = q_tile.dtype
         offs_m = row0 + gl.arange(0, _HALF_M, layout=gl.SliceLayout(1, mma_s))
         offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
@@ -355,25 +375,33 @@ if HAVE_GLUON:
             full_hi = gl.minimum((gl.maximum(row0 + causal_off + 1, 0) // BLOCK_N) * BLOCK_N, n_full)
         else:
             full_hi = n_full
-        # key tile 0, peeled off the loop (no PV matmul to overlap yet), masked
-        stage = it % STAGES
-        mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
-        zero_s = gl.zeros([_HALF_M, BLOCK_N], gl.float32, layout=mma_s)
-        _my_turn(turn, g0 + it, ROLE, PINGPONG)
-        s = _scores(q_tile, qt_tile, stage, k_smem, kt_smem, zero_s, D_TAIL)
-        _hand_over(turn, ROLE, PINGPONG)
-        s = warpgroup_mma_wait(0, deps=[s])
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, offs_n0, n_k, causal_off, qk_scale, True, IS_CAUSAL)
-        p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(0, mma_o, 2))
-        it += 1
-        it, o, ot, m_i, l_i, p_op = _steps(it, BLOCK_N, full_hi, q_tile, qt_tile, k_smem, v_smem, kt_smem, vt_smem,
-                                           k_ready, v_ready, empty, o, ot, m_i, l_i, p_op, offs_m, offs_n0, n_k,
-                                           causal_off, qk_scale, False, IS_CAUSAL, D_TAIL, BLOCK_N, STAGES, mma_s,
-                                           mma_o, mma_t, turn, g0, ROLE, PINGPONG)
-        it, o, ot, m_i, l_i, p_op = _steps(it, gl.maximum(full_hi, BLOCK_N), hi, q_tile, qt_tile, k_smem, v_smem,
-                                           kt_smem, vt_smem, k_ready, v_ready, empty, o, ot, m_i, l_i, p_op, offs_m,
-                                           offs_n0, n_k, causal_off, qk_scale, True, IS_CAUSAL, D_TAIL, BLOCK_N,
-                                           STAGES, mma_s, mma_o, mma_t, turn, g0, ROLE, PINGPONG)
+        if ONE_LOOP:
+            p_op = gl.zeros([_HALF_M, BLOCK_N], dtype, layout=gl.DotOperandLayout(0, mma_o, 2))
+            it, o, ot, m_i, l_i, p_op = _steps(it, 0, hi, full_hi, q_tile, qt_tile, k_smem, v_smem, kt_smem,
+                                               vt_smem, k_ready, v_ready, empty, o, ot, m_i, l_i, p_op, offs_m,
+                                               offs_n0, n_k, causal_off, qk_scale, False, IS_CAUSAL, D_TAIL, BLOCK_N,
+                                               STAGES, mma_s, mma_o, mma_t, turn, g0, ROLE, PINGPONG, ONE_LOOP)
+        else:
+            # key tile 0, peeled off the loop (no PV matmul to overlap yet), masked
+            stage = it % STAGES
+            mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
+            zero_s = gl.zeros([_HALF_M, BLOCK_N], gl.float32, layout=mma_s)
+            _my_turn(turn, g0 + it, ROLE, PINGPONG)
+            s = _scores(q_tile, qt_tile, stage, k_smem, kt_smem, zero_s, D_TAIL)
+            _hand_over(turn, ROLE, PINGPONG)
+            s = warpgroup_mma_wait(0, deps=[s])
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, offs_n0, n_k, causal_off, qk_scale, True, IS_CAUSAL)
+            p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(0, mma_o, 2))
+            it += 1
+            it, o, ot, m_i, l_i, p_op = _steps(it, BLOCK_N, full_hi, 0, q_tile, qt_tile, k_smem, v_smem, kt_smem,
+                                               vt_smem, k_ready, v_ready, empty, o, ot, m_i, l_i, p_op, offs_m,
+                                               offs_n0, n_k, causal_off, qk_scale, False, IS_CAUSAL, D_TAIL, BLOCK_N,
+                                               STAGES, mma_s, mma_o, mma_t, turn, g0, ROLE, PINGPONG, ONE_LOOP)
+            it, o, ot, m_i, l_i, p_op = _steps(it, gl.maximum(full_hi, BLOCK_N), hi, 0, q_tile, qt_tile, k_smem,
+                                               v_smem, kt_smem, vt_smem, k_ready, v_ready, empty, o, ot, m_i, l_i,
+                                               p_op, offs_m, offs_n0, n_k, causal_off, qk_scale, True, IS_CAUSAL,
+                                               D_TAIL, BLOCK_N, STAGES, mma_s, mma_o, mma_t, turn, g0, ROLE, PINGPONG,
+                                               ONE_LOOP)
         if O_OWN:  # the producer may load the next tile's Q while the last PV runs
             mbarrier.arrive(q_empty, count=1)
         # the last key tile's PV
@@ -391,7 +419,7 @@ if HAVE_GLUON:
                   ot_smem, q_ready, q_empty, k_ready, v_ready, empty, turn, n_units, n_pairs, n_tiles, n_zh, n_heads,
                   kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr,
                   D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-                  O_OWN: gl.constexpr, NUM_CONS: gl.constexpr, PINGPONG: gl.constexpr):
+                  O_OWN: gl.constexpr, NUM_CONS: gl.constexpr, PINGPONG: gl.constexpr, ONE_LOOP: gl.constexpr):
         """Rows ROLE * 64 ... of each of the program's query tiles: attention over the tile's key tiles, then O
         (by TMA, from this warpgroup's O buffer with O_OWN, else from the tile's Q buffer) and the LSE stored."""
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -445,7 +473,7 @@ if HAVE_GLUON:
                                                   q_empty.index(qb), k_smem, v_smem, kt_smem, vt_smem, k_ready,
                                                   v_ready, empty, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN,
                                                   D_TAIL, BLOCK_N, STAGES, O_OWN, mma_s, mma_o, mma_t, turn,
-                                                  n_seen, ROLE, PINGPONG)
+                                                  n_seen, ROLE, PINGPONG, ONE_LOOP)
                     n_seen += 1
                 else:  # rows past n_q, or causal with n_q > n_k + the rows: no key visible
                     if O_OWN:
@@ -489,7 +517,7 @@ if HAVE_GLUON:
                        IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, Q_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, O_OWN: gl.constexpr,
-                       NUM_CONS: gl.constexpr, PINGPONG: gl.constexpr):
+                       NUM_CONS: gl.constexpr, PINGPONG: gl.constexpr, ONE_LOOP: gl.constexpr):
         gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
         gl.static_assert(NUM_CONS == 2 or not PINGPONG, "ping-pong turns are between two consumers")
         # persistent: the program walks pairs of query tiles of 2 x 64 rows (`_tile`), head-major
@@ -550,15 +578,15 @@ if HAVE_GLUON:
                 (_consumer, (0, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
                              q_ready, q_empty, k_ready, v_ready, empty, turn, n_units, n_pairs, n_tiles, n_zh,
                              n_heads, kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
-                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG)),
+                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP)),
                 (_consumer, (1, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
                              q_ready, q_empty, k_ready, v_ready, empty, turn, n_units, n_pairs, n_tiles, n_zh,
                              n_heads, kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
-                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG)),
+                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP)),
                 (_consumer, (2, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
                              q_ready, q_empty, k_ready, v_ready, empty, turn, n_units, n_pairs, n_tiles, n_zh,
                              n_heads, kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
-                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG)),
+                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP)),
                 (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
                              q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads, kv_group, n_k,
                              causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, NUM_CONS)),
@@ -568,11 +596,11 @@ if HAVE_GLUON:
                 (_consumer, (0, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
                              q_ready, q_empty, k_ready, v_ready, empty, turn, n_units, n_pairs, n_tiles, n_zh,
                              n_heads, kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
-                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG)),
+                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP)),
                 (_consumer, (1, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
                              q_ready, q_empty, k_ready, v_ready, empty, turn, n_units, n_pairs, n_tiles, n_zh,
                              n_heads, kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
-                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG)),
+                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP)),
                 (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
                              q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads, kv_group, n_k,
                              causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, NUM_CONS)),
@@ -618,12 +646,25 @@ def pingpong(d: int, block_n: int, consumers: int) -> bool:
     return consumers == 2 and block_n == 128 and d in PINGPONG_HEAD_DIMS
 
 
+def one_loop(block_n: int, consumers: int) -> bool:
+    """Whether the consumers run a query tile's first key tile in the loop with the others (`_attend`'s ONE_LOOP),
+    not peeled off it. A consumer's code then holds two copies of a step's softmax (full and masked tiles), not
+    three, 20-35% fewer instructions, which the instruction cache holds better (with the peel, ncu counted 12-19% of
+    the warps' stall samples waiting for instructions). Against the peel (H100, one process): 0.89-0.94x the time
+    at S = 512 (64-key tiles, d = 64 to 128), 0.95x / 0.78x at 2048 rows with d = 64's two / three consumers, 0.93x
+    at 8192, 0.97-0.98x with d = 128's 128-key tiles. Not for three consumers over 64-key tiles (d = 80 and 96 from
+    `hopper_fwd_long_rows` rows), which took 1.05-1.07x their time."""
+    return not (consumers == 3 and block_n == 64)
+
+
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, sm_scale: float,
-               tiles: tuple[int, int, int, int] | None = None, turns: bool | None = None) -> None:
+               tiles: tuple[int, int, int, int] | None = None, turns: bool | None = None,
+               first_in_loop: bool | None = None) -> None:
     """O (preallocated like q, or at any strides a TMA descriptor takes: unit last, 16-byte aligned base and
     others) and lse ((Z, H, N_q) fp32, contiguous) of attention on 4-D (Z, H, N, d) q, k, v (k, v: H / kv_group
     heads), where `fwd_applies`; tiles: (BLOCK_N, STAGES, Q_BUFS, consumers), `FWD_TILES`' by default; turns:
-    ping-pong between two consumers, by default where `pingpong`."""
+    ping-pong between two consumers, by default where `pingpong`; first_in_loop: a query tile's first key tile in
+    the loop, by default where `one_loop`."""
     z, h, n_q, d = q.shape
     n_k = k.shape[2]
     d_main, d_tail = common._TILE_D[d]
@@ -641,5 +682,6 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causa
         IS_CAUSAL=is_causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, STAGES=stages, Q_BUFS=q_bufs,
         O_OWN=_o_own(d, block_n, stages, q_bufs, consumers), NUM_CONS=consumers,
         PINGPONG=pingpong(d, block_n, consumers) if turns is None else turns,
+        ONE_LOOP=one_loop(block_n, consumers) if first_in_loop is None else first_in_loop,
         CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS, PRODUCER_WARPS=PRODUCER_WARPS,
         num_warps=4)
