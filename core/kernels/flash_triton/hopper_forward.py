@@ -92,8 +92,10 @@ FWD_TILES = {64: (128, 6, 1, 2), 80: (128, 4, 1, 2), 96: (128, 3, 2, 2), 128: (1
 # ... for short rows under a causal mask (`FlashConfig.hopper_fwd_long_rows`): 64-key tiles, so a row's few key
 # tiles, the last one half masked, make more, smaller pipeline steps (0.64-0.90x the time of the 128-key tiles at
 # S = 512-1024, 1.05-1.22x from 8192); d = 128, 2 x 32 + 4 x 32 + O 32 = 224 KB; d = 96, 2 x 24 + 6 x 24 + 24 =
-# 216 KB; d = 80, 2 x 20 + 8 x 20 + 20 = 220 KB; d = 64, 2 x 16 + 8 x 16 + 16 = 176 KB
-SHORT_TILES = {64: (64, 8, 2, 2), 80: (64, 8, 2, 2), 96: (64, 6, 2, 2), 128: (64, 4, 2, 2)}
+# 216 KB; d = 80, 2 x 20 + 8 x 20 + 20 = 220 KB. Not at d = 64 (where by default the Triton forward serves these
+# rows: `FlashConfig.hopper_fwd_d64_min_rows`), whose 64-key steps are too short to hide their exponentials: its
+# 128-key tiles took 0.87x their time at 1024-2048 rows (0.98-1.02x at 512); 2 x 16 + 5 x 32 + 16 = 208 KB
+SHORT_TILES = {64: (128, 5, 2, 2), 80: (64, 8, 2, 2), 96: (64, 6, 2, 2), 128: (64, 4, 2, 2)}
 # ... from hopper_fwd_long_rows rows on, where three consumers pay: at d = 64 the exponentials bound a consumer
 # (a 64 x 128 score tile's 8192 exp2 take the SM's special-function units as long as its two wgmmas take the tensor
 # cores), so a third consumer's matmuls fill the others' softmax time: 0.90-0.95x the time of two from 8192 rows,
@@ -650,10 +652,11 @@ def one_loop(block_n: int, consumers: int) -> bool:
     """Whether the consumers run a query tile's first key tile in the loop with the others (`_attend`'s ONE_LOOP),
     not peeled off it. A consumer's code then holds two copies of a step's softmax (full and masked tiles), not
     three, 20-35% fewer instructions, which the instruction cache holds better (with the peel, ncu counted 12-19% of
-    the warps' stall samples waiting for instructions). Against the peel (H100, one process): 0.89-0.94x the time
-    at S = 512 (64-key tiles, d = 64 to 128), 0.95x / 0.78x at 2048 rows with d = 64's two / three consumers, 0.93x
-    at 8192, 0.97-0.98x with d = 128's 128-key tiles. Not for three consumers over 64-key tiles (d = 80 and 96 from
-    `hopper_fwd_long_rows` rows), which took 1.05-1.07x their time."""
+    the warps' stall samples waiting for instructions; 4% with the loop at (128, 16, 512, 128)). Against the peel
+    (H100, one process): 0.89-0.94x the time at S = 512 (64-key tiles, d = 64 to 128), 0.95x / 0.78x at 2048 rows
+    with d = 64's two / three consumers, 0.93x at 8192, 0.97-0.98x with d = 128's 128-key tiles. Not for three
+    consumers over 64-key tiles (d = 80 and 96 from `hopper_fwd_long_rows` rows), which took 1.05-1.07x their
+    time."""
     return not (consumers == 3 and block_n == 64)
 
 
