@@ -1304,6 +1304,35 @@ def test_gpu_gluon_fwd_turns_match(d, n_q, n_k, causal):
 
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tiles,d", [("SHORT_TILES", 128), ("SHORT_TILES", 64), ("FWD_TILES", 96),
+                                     ("WIDE_TILES", 64), ("WIDE_TILES", 80)])
+@pytest.mark.parametrize("n_q,n_k,causal", [(600, 600, True), (334, 200, True), (700, 515, False)])
+def test_gpu_gluon_fwd_first_tile_in_loop_matches_peel(tiles, d, n_q, n_k, causal):
+    """A query tile's first key tile run in the loop (its PV adds P = 0 times its V tile: exactly zero) and peeled
+    off the loop compute the same sums in the same order: output and logsumexp bit for bit the same, on two and
+    three consumers, 64- and 128-key tiles, the turns, a head-dim tail, rows that see no key and ragged ends; and
+    against float64."""
+    from core.kernels.flash_triton import hopper_forward as hf
+    if not (_gluon_usable() and hf.HAVE_GLUON):
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    torch.manual_seed(18)
+    q = torch.randn(3, 40, n_q, d, device="cuda", dtype=torch.bfloat16)  # 120 heads: programs walk several tiles
+    k, v = (torch.randn(3, 40, n_k, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), causal)
+    seen = torch.isfinite(ref_lse)
+    outs = []
+    for in_loop in (True, False):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full(q.shape[:3], float("nan"), device="cuda", dtype=torch.float32)
+        hf.launch_fwd(q, k, v, out, lse, causal, d ** -0.5, getattr(hf, tiles)[d], first_in_loop=in_loop)
+        assert rel_err(out, ref) < TOL[torch.bfloat16], in_loop
+        assert torch.equal(torch.isfinite(lse), seen) and (lse[seen].double() - ref_lse[seen]).abs().max() < 1e-3
+        outs.append((out, lse))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("d", [80, 128])
 def test_gpu_gluon_fwd_on_fused_projection_views(d, monkeypatch):
     """The Gluon forward reads q, k, v sliced from the fused projection in place (4-D TMA descriptors at their
