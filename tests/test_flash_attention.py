@@ -1277,6 +1277,30 @@ def test_gpu_gluon_fwd_matches(shape_q, n_k, causal, dtype, kv_heads, monkeypatc
     assert launches == [1, 1, 1, 1]  # every forward ran the Gluon kernel
 
 
+def _gluon_fwd_variants(d: int, n_q: int, n_k: int, causal: bool, seed: int, tiles: tuple[int, int, int, int],
+                        variants: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`launch_fwd` once per variant (its keyword arguments) on the same 120 heads (programs walk several query
+    tiles), outputs poisoned with NaN first; each output and logsumexp checked against float64 (rows that see no
+    key: logsumexp -inf). Returns the (output, logsumexp) pairs."""
+    from core.kernels.flash_triton import hopper_forward as hf
+    if not (_gluon_usable() and hf.HAVE_GLUON):
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    torch.manual_seed(seed)
+    q = torch.randn(3, 40, n_q, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(3, 40, n_k, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), causal)
+    seen = torch.isfinite(ref_lse)
+    outs = []
+    for kwargs in variants:
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full(q.shape[:3], float("nan"), device="cuda", dtype=torch.float32)
+        hf.launch_fwd(q, k, v, out, lse, causal, d ** -0.5, tiles, **kwargs)
+        assert rel_err(out, ref) < TOL[torch.bfloat16], kwargs
+        assert torch.equal(torch.isfinite(lse), seen) and (lse[seen].double() - ref_lse[seen]).abs().max() < 1e-3
+        outs.append((out, lse))
+    return outs
+
+
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("d", [64, 96, 128])
@@ -1287,19 +1311,7 @@ def test_gpu_gluon_fwd_turns_match(d, n_q, n_k, causal):
     not, at every head-dim class: output and logsumexp against float64, with rows that see no key (n_q > n_k under
     the causal mask: the turns skip those tiles), ragged ends, and several query tiles a program."""
     from core.kernels.flash_triton import hopper_forward as hf
-    if not (_gluon_usable() and hf.HAVE_GLUON):
-        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
-    torch.manual_seed(17)
-    q = torch.randn(3, 40, n_q, d, device="cuda", dtype=torch.bfloat16)  # 120 heads: programs walk several tiles
-    k, v = (torch.randn(3, 40, n_k, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), causal)
-    seen = torch.isfinite(ref_lse)
-    for turns in (True, False):
-        out = torch.full_like(q, float("nan"))
-        lse = torch.full(q.shape[:3], float("nan"), device="cuda", dtype=torch.float32)
-        hf.launch_fwd(q, k, v, out, lse, causal, d ** -0.5, hf.FWD_TILES[d], turns=turns)
-        assert rel_err(out, ref) < TOL[torch.bfloat16], turns
-        assert torch.equal(torch.isfinite(lse), seen) and (lse[seen].double() - ref_lse[seen]).abs().max() < 1e-3
+    _gluon_fwd_variants(d, n_q, n_k, causal, 17, hf.FWD_TILES[d], [dict(turns=True), dict(turns=False)])
 
 
 @gpu
@@ -1313,21 +1325,8 @@ def test_gpu_gluon_fwd_first_tile_in_loop_matches_peel(tiles, d, n_q, n_k, causa
     three consumers, 64- and 128-key tiles, the turns, a head-dim tail, rows that see no key and ragged ends; and
     against float64."""
     from core.kernels.flash_triton import hopper_forward as hf
-    if not (_gluon_usable() and hf.HAVE_GLUON):
-        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
-    torch.manual_seed(18)
-    q = torch.randn(3, 40, n_q, d, device="cuda", dtype=torch.bfloat16)  # 120 heads: programs walk several tiles
-    k, v = (torch.randn(3, 40, n_k, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), causal)
-    seen = torch.isfinite(ref_lse)
-    outs = []
-    for in_loop in (True, False):
-        out = torch.full_like(q, float("nan"))
-        lse = torch.full(q.shape[:3], float("nan"), device="cuda", dtype=torch.float32)
-        hf.launch_fwd(q, k, v, out, lse, causal, d ** -0.5, getattr(hf, tiles)[d], first_in_loop=in_loop)
-        assert rel_err(out, ref) < TOL[torch.bfloat16], in_loop
-        assert torch.equal(torch.isfinite(lse), seen) and (lse[seen].double() - ref_lse[seen]).abs().max() < 1e-3
-        outs.append((out, lse))
+    outs = _gluon_fwd_variants(d, n_q, n_k, causal, 18, getattr(hf, tiles)[d],
+                               [dict(first_in_loop=True), dict(first_in_loop=False)])
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
