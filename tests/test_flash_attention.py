@@ -1190,8 +1190,9 @@ def test_forward_policy_takes_gluon_where_it_applies(monkeypatch):
     """The forward runs the Gluon kernel where it applies (at every head dim it takes, 80 = 64 + 16 here; at 64 from
     `hopper_fwd_d64_min_rows` query rows on under a causal mask), with its short-row tiles below
     `hopper_fwd_long_rows` query rows under a causal mask (the 128-key tiles without it) and its three-consumer tiles
-    from there on at d = 64 and 80 (32 has none: its 128-key tiles), unless the split-KV forward splits the call or
-    `tiles.fwd` pins the Triton kernel; elsewhere the Triton kernels (their output against float64 here)."""
+    from there on at d = 64 and 80 (32 has none: its 128-key tiles; d = 64 under a causal mask from
+    `hopper_fwd_d64_long_rows`), unless the split-KV forward splits the call or `tiles.fwd` pins the Triton kernel;
+    elsewhere the Triton kernels (their output against float64 here)."""
     from core.kernels.flash_triton import hopper_forward as hf
     launched = []
 
@@ -1209,10 +1210,11 @@ def test_forward_policy_takes_gluon_where_it_applies(monkeypatch):
     monkeypatch.setattr(hf, "FWD_TILES", {32: (128, 6, 1, 2), 64: (128, 6, 1, 2), 80: (128, 4, 1, 2)})
     monkeypatch.setattr(hf, "SHORT_TILES", {32: (64, 8, 2, 2), 64: (64, 8, 2, 2), 80: (64, 8, 2, 2)})
     monkeypatch.setattr(hf, "WIDE_TILES", {64: (128, 5, 1, 3), 80: (64, 6, 1, 3)})
-    cfg = FlashConfig(hopper_fwd_long_rows=64, hopper_fwd_d64_min_rows=64)
+    cfg = FlashConfig(hopper_fwd_long_rows=64, hopper_fwd_d64_min_rows=64, hopper_fwd_d64_long_rows=128)
     cases = [(64, 32, cfg, [(64, "fwd")]), (32, 32, cfg, [(32, "short")]),  # long tiles from hopper_fwd_long_rows
              (64, 80, cfg, [(64, "wide")]), (32, 80, cfg, [(32, "short")]),  # 80 = 64 + 16: three consumers
-             (64, 64, cfg, [(64, "wide")]), (32, 64, cfg, []),  # d = 64: from hopper_fwd_d64_min_rows, three consumers
+             (32, 64, cfg, []), (64, 64, cfg, [(64, "short")]),  # d = 64: from hopper_fwd_d64_min_rows,
+             (128, 64, cfg, [(128, "wide")]),  # three consumers from hopper_fwd_d64_long_rows
              (64, 32, cfg.replace(split_keys=16), []),          # a split-KV call stays split
              (64, 32, cfg.replace(hopper_fwd=False), []),
              (64, 32, cfg.replace(tiles={"fwd": (32, 16, 4, 1)}), [])]  # pinned tiles: the Triton forward

@@ -131,11 +131,13 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
     block_d, tail_d = _TILE_D[d]
     split_len = _fwd_split_len(q.device, z * h, n_q, n_k, bm, bn, cfg) if block_d + tail_d <= 128 else 0
     # the Gluon forward on Hopper (`hopper_forward`), unless tiles pin the Triton one or the call is split
-    min_rows = cfg.hopper_fwd_d64_min_rows if d == 64 and is_causal else 0
+    d64_causal = d == 64 and is_causal
+    min_rows = cfg.hopper_fwd_d64_min_rows if d64_causal else 0
     if not split_len and pinned is None and n_q >= min_rows and _hopper_fwd_ok(q, k, v, cfg):
         from core.kernels.flash_triton import hopper_forward
+        long_rows = cfg.hopper_fwd_d64_long_rows if d64_causal else cfg.hopper_fwd_long_rows
         hopper_forward.launch_fwd(q, k, v, o, lse, is_causal, 1.0 / math.sqrt(d),
-                                  hopper_forward.fwd_tiles(d, n_q, is_causal, cfg.hopper_fwd_long_rows))
+                                  hopper_forward.fwd_tiles(d, n_q, is_causal, long_rows))
         return o, lse
     if split_len:  # small grid: split-KV
         short = _cdiv(n_k, bn) < cfg.short_row_tiles

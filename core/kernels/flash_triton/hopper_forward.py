@@ -7,8 +7,10 @@ are needed. A program stays on its SM (one per SM: shared memory holds no second
 rows (192 at d = 64, 80 and 96 from `FlashConfig.hopper_fwd_long_rows` rows: `WIDE_TILES`) of one (batch, head)
 each, in three or four partitions (`gl.warp_specialize`):
 
-- a producer warpgroup issues the TMA loads: the tile's 64-row Q blocks, one per consumer, into one of `Q_BUFS`
-  buffers once the consumers have done their last Q K^T with it (a ready and an empty mbarrier each), and each key
+- a producer warpgroup walks the schedule (`_tile`) and issues the TMA loads: the tile's 64-row Q blocks, one per
+  consumer, into one of `Q_BUFS` buffers once the consumers have done their last Q K^T with it (a ready and an empty
+  mbarrier each), with the tile's coordinates beside each block in shared memory, so the consumers do not walk the
+  schedule's integer divisions themselves (`_post_tile`: 0.91-0.97x the time at S = 512-2048), and each key
   tile's K and V into a ring of `STAGES` shared-memory slots (a ready mbarrier for K and one for V per slot, and an
   empty one that the consumers release). The ring runs on across query tiles, so the next tile's first loads overlap
   this tile's last matmuls and its epilogue (which a program-per-tile launch exposes on every tile: 1.07-1.14x the
@@ -139,6 +141,25 @@ if HAVE_GLUON:
         return 2 * n_rounds + (gl.program_id(0) < n_after).to(gl.int32)
 
     @gluon.jit
+    def _post_tile(info, slot, pid_zh, z, h, start_m):
+        """Write a query tile's (batch x head, batch, head, first row) into info slot `slot` for a consumer
+        (`_read_tile`); a first row of -1 says the walk is over. Every producer thread writes the same four words;
+        the caller's barrier orders them before the q_ready arrive that publishes them."""
+        lay: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
+        i = gl.arange(0, 4, layout=lay)
+        info.index(slot).store(gl.where(i == 0, pid_zh, gl.where(i == 1, z, gl.where(i == 2, h, start_m))))
+
+    @gluon.jit
+    def _read_tile(info, slot):
+        """A consumer's next query tile from info slot `slot` (`_post_tile`), once its q_ready has passed:
+        (batch x head, batch, head, first row)."""
+        lay: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
+        t = info.index(slot).load(lay)
+        i = gl.arange(0, 4, layout=lay)
+        return (gl.sum(gl.where(i == 0, t, 0), 0), gl.sum(gl.where(i == 1, t, 0), 0),
+                gl.sum(gl.where(i == 2, t, 0), 0), gl.sum(gl.where(i == 3, t, 0), 0))
+
+    @gluon.jit
     def _tile(k, n_units, n_pairs, n_tiles, n_zh, n_heads, kv_group, n_k, causal_off, IS_CAUSAL: gl.constexpr,
               BM: gl.constexpr, BLOCK_N: gl.constexpr):
         """The program's k-th query tile: (whether it exists, batch x head, batch, head, KV head, first row, key
@@ -210,13 +231,14 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
-                  vt_smem, q_ready, q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads,
+                  vt_smem, q_ready, q_empty, k_ready, v_ready, empty, info, n_units, n_pairs, n_tiles, n_zh, n_heads,
                   kv_group, n_k, causal_off, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr, NUM_CONS: gl.constexpr):
         """TMA loads of the program's query tiles one after the other: a tile's K_0 / V_0, its Q blocks once
-        the consumers are done with the Q buffer (Q_BUFS of them in turn), then K_i / V_i of its other key tiles
-        through the ring. So the next tile's loads run while the consumers finish this one. Rows past a head's
-        end read as zeros."""
+        the consumers are done with the Q buffer (Q_BUFS of them in turn), each with the tile's coordinates in
+        that Q block's info slot (`_post_tile`), then K_i / V_i of its other key tiles through the ring. So the
+        next tile's loads run while the consumers finish this one. Rows past a head's end read as zeros. After the
+        last tile, an info slot a consumer with first row -1 ends the consumers' walks."""
         elem: gl.constexpr = q_smem.dtype.primitive_bitwidth // 8
         q_bytes: gl.constexpr = _HALF_M * (D_MAIN + D_TAIL) * elem
         kv_bytes: gl.constexpr = BLOCK_N * (D_MAIN + D_TAIL) * elem
@@ -233,6 +255,8 @@ if HAVE_GLUON:
                 qb = (n_done % Q_BUFS) * NUM_CONS
                 for c in gl.static_range(NUM_CONS):
                     mbarrier.wait(q_empty.index(qb + c), ((n_done // Q_BUFS) & 1) ^ 1)
+                    _post_tile(info, qb + c, pid_zh, z, h, start_m)
+                    _barrier()  # every producer thread's info store before the arrive below publishes it
                     mbarrier.expect(q_ready.index(qb + c), q_bytes)
                     _tile_load(q_desc, qt_desc, z, h, start_m + c * _HALF_M, q_ready.index(qb + c),
                                q_smem.index(qb + c), qt_smem.index(qb + c), D_TAIL)
@@ -241,6 +265,12 @@ if HAVE_GLUON:
                              vt_smem, k_ready, v_ready, empty, z, hk, kv_bytes, STAGES, D_TAIL)
                 it += n_kt
                 n_done += 1
+        qb = (n_done % Q_BUFS) * NUM_CONS
+        for c in gl.static_range(NUM_CONS):
+            mbarrier.wait(q_empty.index(qb + c), ((n_done // Q_BUFS) & 1) ^ 1)
+            _post_tile(info, qb + c, 0, 0, 0, -1)
+            _barrier()
+            mbarrier.arrive(q_ready.index(qb + c), count=1)
 
     @gluon.jit
     def _softmax(s, m_i, l_i, offs_m, offs_n, n_k, causal_off, qk_scale, MASKED: gl.constexpr,
@@ -417,9 +447,25 @@ if HAVE_GLUON:
         return it, o, ot, m_i, l_i
 
     @gluon.jit
+    def _next_tile(n_done, info, q_ready, q_empty, ROLE: gl.constexpr, Q_BUFS: gl.constexpr,
+                   NUM_CONS: gl.constexpr, O_OWN: gl.constexpr):
+        """A consumer's next query tile, once its Q block is in: (batch x head, batch, head, first row; -1 when
+        the walk is over), as the producer computed it (`_post_tile`: a consumer that computed `_tile` itself spent
+        a tenth of its instructions at S = 512 on the schedule's integer divisions). Without O_OWN the previous
+        tile's Q buffer first goes back to the producer, once its O store has read it (with one buffer the producer
+        loads this tile's Q block into it)."""
+        if (not O_OWN) & (n_done > 0):
+            tma.store_wait(0)
+            _barrier()  # (the wait is the issuing thread's: the others wait for it here)
+            mbarrier.arrive(q_empty.index(((n_done - 1) % Q_BUFS) * NUM_CONS + ROLE), count=1)
+        qb = (n_done % Q_BUFS) * NUM_CONS + ROLE
+        mbarrier.wait(q_ready.index(qb), (n_done // Q_BUFS) & 1)
+        return _read_tile(info, qb)
+
+    @gluon.jit
     def _consumer(ROLE: gl.constexpr, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem,
-                  ot_smem, q_ready, q_empty, k_ready, v_ready, empty, turn, n_units, n_pairs, n_tiles, n_zh, n_heads,
-                  kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr,
+                  ot_smem, q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off, qk_scale,
+                  IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr,
                   D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
                   O_OWN: gl.constexpr, NUM_CONS: gl.constexpr, PINGPONG: gl.constexpr, ONE_LOOP: gl.constexpr):
         """Rows ROLE * 64 ... of each of the program's query tiles: attention over the tile's key tiles, then O
@@ -442,75 +488,71 @@ if HAVE_GLUON:
         it = 0  # key tiles consumed
         n_done = 0  # query tiles consumed
         n_seen = 0  # query tiles with keys to attend to (the ping-pong turns: n + 1 per tile of n key tiles)
-        for k in range(0, _walk_len(n_units)):
-            exists, pid_zh, off_z, off_h, off_hk, start_m, hi, n_kt = _tile(k, n_units, n_pairs, n_tiles, n_zh, n_heads,
-                                                                            kv_group, n_k, causal_off, IS_CAUSAL,
-                                                                            NUM_CONS * _HALF_M, BLOCK_N)
-            if exists:
-                qb = (n_done % Q_BUFS) * NUM_CONS + ROLE
-                row0 = start_m + ROLE * _HALF_M
-                if (not O_OWN) & (n_done > 0):
-                    # the previous tile's O has left its Q buffer: the producer may load a Q block into it (with
-                    # one buffer, this tile's: so before the wait below)
-                    tma.store_wait(0)
-                    _barrier()  # (the wait is the issuing thread's: the others wait for it here)
-                    mbarrier.arrive(q_empty.index(((n_done - 1) % Q_BUFS) * NUM_CONS + ROLE), count=1)
-                mbarrier.wait(q_ready.index(qb), (n_done // Q_BUFS) & 1)
+        pid_zh, off_z, off_h, start_m = _next_tile(n_done, info, q_ready, q_empty, ROLE, Q_BUFS, NUM_CONS, O_OWN)
+        while start_m >= 0:
+            qb = (n_done % Q_BUFS) * NUM_CONS + ROLE
+            row0 = start_m + ROLE * _HALF_M
+            if IS_CAUSAL:  # keys the tile's last row sees: j < start_m + rows + causal_off
+                hi = gl.minimum(gl.maximum(start_m + NUM_CONS * _HALF_M + causal_off, 0), n_k)
+            else:
+                hi = n_k
+            n_kt = gl.cdiv(hi, BLOCK_N)
+            if O_OWN:
+                o_buf = o_smem.index(ROLE)
+                ot_buf = ot_smem.index(ROLE)
+            else:
+                o_buf = q_smem.index(qb)
+                ot_buf = qt_smem.index(qb)
+            # with SKIP, the key tiles this warpgroup's rows see (none past n_q: a ragged last tile's rows) of
+            # the tile's n_kt; the others it only releases, below
+            my_hi = hi
+            if SKIP:
+                if IS_CAUSAL:
+                    my_hi = gl.minimum(gl.maximum(row0 + _HALF_M + causal_off, 0), hi)
+                my_hi = gl.where(row0 < n_q, my_hi, 0)
+            my_kt = gl.cdiv(my_hi, BLOCK_N)
+            if my_kt > 0:
+                it, o, ot, m_i, l_i = _attend(it, row0, my_hi, q_smem.index(qb), qt_smem.index(qb),
+                                              q_empty.index(qb), k_smem, v_smem, kt_smem, vt_smem, k_ready,
+                                              v_ready, empty, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN,
+                                              D_TAIL, BLOCK_N, STAGES, O_OWN, mma_s, mma_o, mma_t, turn,
+                                              n_seen, ROLE, PINGPONG, ONE_LOOP)
+                n_seen += 1
+            else:  # rows past n_q, or causal with n_q > n_k + the rows: no key visible
                 if O_OWN:
-                    o_buf = o_smem.index(ROLE)
-                    ot_buf = ot_smem.index(ROLE)
-                else:
-                    o_buf = q_smem.index(qb)
-                    ot_buf = qt_smem.index(qb)
-                # with SKIP, the key tiles this warpgroup's rows see (none past n_q: a ragged last tile's rows) of
-                # the tile's n_kt; the others it only releases, below
-                my_hi = hi
-                if SKIP:
-                    if IS_CAUSAL:
-                        my_hi = gl.minimum(gl.maximum(row0 + _HALF_M + causal_off, 0), hi)
-                    my_hi = gl.where(row0 < n_q, my_hi, 0)
-                my_kt = gl.cdiv(my_hi, BLOCK_N)
-                if my_kt > 0:
-                    it, o, ot, m_i, l_i = _attend(it, row0, my_hi, q_smem.index(qb), qt_smem.index(qb),
-                                                  q_empty.index(qb), k_smem, v_smem, kt_smem, vt_smem, k_ready,
-                                                  v_ready, empty, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN,
-                                                  D_TAIL, BLOCK_N, STAGES, O_OWN, mma_s, mma_o, mma_t, turn,
-                                                  n_seen, ROLE, PINGPONG, ONE_LOOP)
-                    n_seen += 1
-                else:  # rows past n_q, or causal with n_q > n_k + the rows: no key visible
-                    if O_OWN:
-                        mbarrier.arrive(q_empty.index(qb), count=1)
-                    m_i = gl.full([_HALF_M], float("-inf"), gl.float32, layout=row_s)
-                    l_i = gl.zeros([_HALF_M], gl.float32, layout=row_s)
-                    o = gl.zeros([_HALF_M, D_MAIN], gl.float32, layout=mma_o)
-                    ot = gl.zeros([_HALF_M, D_T], gl.float32, layout=mma_t)
-                if SKIP:
-                    # key tiles wholly masked for these rows: released as soon as loaded (their scores would add
-                    # exp2(-inf) = 0 and leave m unchanged), not computed
-                    for j in range(my_kt, n_kt):
-                        stage = it % STAGES
-                        mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
-                        mbarrier.wait(v_ready.index(stage), (it // STAGES) & 1)
-                        mbarrier.arrive(empty.index(stage), count=1)
-                        it += 1
-                # epilogue: O = acc / l into the O buffer (with O_OWN once the previous tile's store has read it;
-                # else the Q buffer, whose last reader, the last S = Q K^T, is done), stored by the TMA engine (rows
-                # past n_q clipped) while this warpgroup goes on; LSE natural-log
-                inv_l = 1.0 / gl.where(l_i == 0.0, 1.0, l_i)
-                if O_OWN:
-                    tma.store_wait(0)
-                    _barrier()
-                o_buf.store((o * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)).to(dtype))
-                if D_TAIL > 0:
-                    ot_buf.store((ot * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, mma_t)), 1))
-                                 .to(dtype))
-                fence_async_shared()
-                _barrier()  # every warp's part of O is in shared memory before one thread issues the store
-                _tile_store(O, O_T, off_z, off_h, row0, o_buf, ot_buf, D_TAIL)
-                offs_m = row0 + gl.arange(0, _HALF_M, layout=row_s)
-                lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-                gl.store(LSE + pid_zh.to(gl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
-                n_done += 1
+                    mbarrier.arrive(q_empty.index(qb), count=1)
+                m_i = gl.full([_HALF_M], float("-inf"), gl.float32, layout=row_s)
+                l_i = gl.zeros([_HALF_M], gl.float32, layout=row_s)
+                o = gl.zeros([_HALF_M, D_MAIN], gl.float32, layout=mma_o)
+                ot = gl.zeros([_HALF_M, D_T], gl.float32, layout=mma_t)
+            if SKIP:
+                # key tiles wholly masked for these rows: released as soon as loaded (their scores would add
+                # exp2(-inf) = 0 and leave m unchanged), not computed
+                for j in range(my_kt, n_kt):
+                    stage = it % STAGES
+                    mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
+                    mbarrier.wait(v_ready.index(stage), (it // STAGES) & 1)
+                    mbarrier.arrive(empty.index(stage), count=1)
+                    it += 1
+            # epilogue: O = acc / l into the O buffer (with O_OWN once the previous tile's store has read it;
+            # else the Q buffer, whose last reader, the last S = Q K^T, is done), stored by the TMA engine (rows
+            # past n_q clipped) while this warpgroup goes on; LSE natural-log
+            inv_l = 1.0 / gl.where(l_i == 0.0, 1.0, l_i)
+            if O_OWN:
+                tma.store_wait(0)
+                _barrier()
+            o_buf.store((o * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)).to(dtype))
+            if D_TAIL > 0:
+                ot_buf.store((ot * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, mma_t)), 1))
+                             .to(dtype))
+            fence_async_shared()
+            _barrier()  # every warp's part of O is in shared memory before one thread issues the store
+            _tile_store(O, O_T, off_z, off_h, row0, o_buf, ot_buf, D_TAIL)
+            offs_m = row0 + gl.arange(0, _HALF_M, layout=row_s)
+            lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+            gl.store(LSE + pid_zh.to(gl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
+            n_done += 1
+            pid_zh, off_z, off_h, start_m = _next_tile(n_done, info, q_ready, q_empty, ROLE, Q_BUFS, NUM_CONS, O_OWN)
         tma.store_wait(0)  # the last O has left shared memory before the program ends
 
     @gluon.jit
@@ -557,6 +599,8 @@ if HAVE_GLUON:
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # a Q block's tile coordinates, from the producer to its consumer (`_post_tile`)
+        info = gl.allocate_shared_memory(gl.int32, [NUM_CONS * Q_BUFS, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         for i in gl.static_range(NUM_CONS * Q_BUFS):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=1)
@@ -578,33 +622,33 @@ if HAVE_GLUON:
         if NUM_CONS == 3:
             gl.warp_specialize([
                 (_consumer, (0, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
-                             q_ready, q_empty, k_ready, v_ready, empty, turn, n_units, n_pairs, n_tiles, n_zh,
-                             n_heads, kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
+                             q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off,
+                             qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
                              STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP)),
                 (_consumer, (1, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
-                             q_ready, q_empty, k_ready, v_ready, empty, turn, n_units, n_pairs, n_tiles, n_zh,
-                             n_heads, kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
+                             q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off,
+                             qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
                              STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP)),
                 (_consumer, (2, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
-                             q_ready, q_empty, k_ready, v_ready, empty, turn, n_units, n_pairs, n_tiles, n_zh,
-                             n_heads, kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
+                             q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off,
+                             qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
                              STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP)),
                 (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
-                             q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads, kv_group, n_k,
+                             q_empty, k_ready, v_ready, empty, info, n_units, n_pairs, n_tiles, n_zh, n_heads, kv_group, n_k,
                              causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, NUM_CONS)),
             ], [4, 4, PRODUCER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (0, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
-                             q_ready, q_empty, k_ready, v_ready, empty, turn, n_units, n_pairs, n_tiles, n_zh,
-                             n_heads, kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
+                             q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off,
+                             qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
                              STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP)),
                 (_consumer, (1, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
-                             q_ready, q_empty, k_ready, v_ready, empty, turn, n_units, n_pairs, n_tiles, n_zh,
-                             n_heads, kv_group, n_q, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
+                             q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off,
+                             qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
                              STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP)),
                 (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
-                             q_empty, k_ready, v_ready, empty, n_units, n_pairs, n_tiles, n_zh, n_heads, kv_group, n_k,
+                             q_empty, k_ready, v_ready, empty, info, n_units, n_pairs, n_tiles, n_zh, n_heads, kv_group, n_k,
                              causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, NUM_CONS)),
             ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
