@@ -447,6 +447,19 @@ if HAVE_GLUON:
         return it, o, ot, m_i, l_i
 
     @gluon.jit
+    def _rcp_approx(x):
+        """1 / x by the special-function unit alone (within 1 ulp): the epilogue's division, once a tile, without the
+        range fix-ups of `1.0 / x` (l >= 1 here, a row's largest term being exp2(0))."""
+        return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _lg2_approx(x):
+        """log2(x) by the special-function unit (within 2^-22 relative; -inf at 0), not libdevice's polynomial."""
+        return gl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
     def _next_tile(n_done, info, q_ready, q_empty, ROLE: gl.constexpr, Q_BUFS: gl.constexpr,
                    NUM_CONS: gl.constexpr, O_OWN: gl.constexpr):
         """A consumer's next query tile, once its Q block is in: (batch x head, batch, head, first row; -1 when
@@ -537,7 +550,7 @@ if HAVE_GLUON:
             # epilogue: O = acc / l into the O buffer (with O_OWN once the previous tile's store has read it;
             # else the Q buffer, whose last reader, the last S = Q K^T, is done), stored by the TMA engine (rows
             # past n_q clipped) while this warpgroup goes on; LSE natural-log
-            inv_l = 1.0 / gl.where(l_i == 0.0, 1.0, l_i)
+            inv_l = _rcp_approx(gl.where(l_i == 0.0, 1.0, l_i))
             if O_OWN:
                 tma.store_wait(0)
                 _barrier()
@@ -549,7 +562,7 @@ if HAVE_GLUON:
             _barrier()  # every warp's part of O is in shared memory before one thread issues the store
             _tile_store(O, O_T, off_z, off_h, row0, o_buf, ot_buf, D_TAIL)
             offs_m = row0 + gl.arange(0, _HALF_M, layout=row_s)
-            lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+            lse = (m_i + _lg2_approx(l_i)) * 0.6931471805599453
             gl.store(LSE + pid_zh.to(gl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
             n_done += 1
             pid_zh, off_z, off_h, start_m = _next_tile(n_done, info, q_ready, q_empty, ROLE, Q_BUFS, NUM_CONS, O_OWN)
