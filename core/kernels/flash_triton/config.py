@@ -46,9 +46,9 @@ class FlashConfig:
         long-row tiles (three consumers at d = 64, 80, 96; 128-key tiles at 128), below under a causal mask 64-key
         tiles (a short causal row's few key tiles, the last one half masked, pipeline better in more, smaller
         steps), without the mask the 128-key tiles;
-        hopper_fwd_d64_min_rows: at head dim 64 under a causal mask only from this many query rows on (the Triton
-        forward's 64-row tiles win below; without the mask the Gluon kernel wins at every length), and its long-row
-        tiles there only from hopper_fwd_d64_long_rows rows on (below, two consumers with 128-key tiles).
+        hopper_fwd_d64_min_rows: at head dim 64 under a causal mask only from this many query rows on (shorter rows
+        keep the Triton forward; without the mask the Gluon kernel wins at every length), and its long-row tiles there
+        only from hopper_fwd_d64_long_rows rows on (below, two consumers with 128-key tiles).
     split_kv: the split-KV forward on grids that leave SMs idle; split_keys forces a split length in keys on every
         call (tests); max_splits caps the splits per query tile.
     split_merge: "in_kernel" (the split that arrives last merges: one launch) or "separate" (a merge kernel: two).
@@ -67,7 +67,7 @@ class FlashConfig:
         default_factory=lambda: dict(WS_MIN_ROWS))
     hopper_fwd: bool = True
     hopper_fwd_long_rows: int = 2048
-    hopper_fwd_d64_min_rows: int = 1024
+    hopper_fwd_d64_min_rows: int = 512
     hopper_fwd_d64_long_rows: int = 4096
     split_kv: bool = True
     split_keys: int | None = None

@@ -57,9 +57,9 @@ strides and 16-byte aligned bases and (batch, head, row) strides of Q, K and V (
 Triton kernels; `dispatch.flash_fwd_impl` takes this one wherever it applies and the call is not split (the
 split-KV forward serves grids that leave SMs idle), with 64-key tiles below `FlashConfig.hopper_fwd_long_rows`
 query rows under a causal mask (`SHORT_TILES`), three consumers at d = 64, 80 and 96 from there on (`WIDE_TILES`),
-and at head dim 64 under a causal mask only from `FlashConfig.hopper_fwd_d64_min_rows` query rows on (below, the
-Triton forward's 64-row tiles are faster: at d = 64 the exponentials, not the matmuls, bound it, and short causal rows
-leave little to overlap them with).
+and at head dim 64 under a causal mask only from `FlashConfig.hopper_fwd_d64_min_rows` query rows on (at d = 64 the
+exponentials, not the matmuls, bound it, and short causal rows leave little to overlap them with: at 512 rows it
+takes 0.95-0.98x the Triton forward's time, at 1024 0.97x; shorter rows keep the Triton forward, not measured).
 """
 from __future__ import annotations
 
@@ -81,8 +81,8 @@ try:
 except ImportError:  # a Triton without Gluon (or without its Hopper ops)
     HAVE_GLUON = False
 
-# where it is faster than the Triton forward (docs/attention.md); at 64 under a causal mask only on long rows
-# (`FlashConfig.hopper_fwd_d64_min_rows`: below, the Triton kernel's 64-row tiles win)
+# where it is faster than the Triton forward (docs/attention.md); at 64 under a causal mask from
+# `FlashConfig.hopper_fwd_d64_min_rows` rows
 HEAD_DIMS = (64, 80, 96, 128)
 # query rows per consumer warpgroup; a program's query tile is `consumers` of them
 HALF_M = 64
@@ -94,9 +94,10 @@ FWD_TILES = {64: (128, 6, 1, 2), 80: (128, 4, 1, 2), 96: (128, 3, 2, 2), 128: (1
 # ... for short rows under a causal mask (`FlashConfig.hopper_fwd_long_rows`): 64-key tiles, so a row's few key
 # tiles, the last one half masked, make more, smaller pipeline steps (0.64-0.90x the time of the 128-key tiles at
 # S = 512-1024, 1.05-1.22x from 8192); d = 128, 2 x 32 + 4 x 32 + O 32 = 224 KB; d = 96, 2 x 24 + 6 x 24 + 24 =
-# 216 KB; d = 80, 2 x 20 + 8 x 20 + 20 = 220 KB. Not at d = 64 (where by default the Triton forward serves these
-# rows: `FlashConfig.hopper_fwd_d64_min_rows`), whose 64-key steps are too short to hide their exponentials: its
-# 128-key tiles took 0.87x their time at 1024-2048 rows (0.98-1.02x at 512); 2 x 16 + 5 x 32 + 16 = 208 KB
+# 216 KB; d = 80, 2 x 20 + 8 x 20 + 20 = 220 KB. Not at d = 64, whose 64-key steps are too short to hide their
+# exponentials: its 128-key tiles took 0.87x their time at 1024-2048 rows (0.98-1.02x at 512), so at d = 64 these are
+# two consumers over 128-key tiles (below `FlashConfig.hopper_fwd_d64_long_rows` rows under the mask);
+# 2 x 16 + 5 x 32 + 16 = 208 KB
 SHORT_TILES = {64: (128, 5, 2, 2), 80: (64, 8, 2, 2), 96: (64, 6, 2, 2), 128: (64, 4, 2, 2)}
 # ... from hopper_fwd_long_rows rows on, where three consumers pay: at d = 64 the exponentials bound a consumer
 # (a 64 x 128 score tile's 8192 exp2 take the SM's special-function units as long as its two wgmmas take the tensor
