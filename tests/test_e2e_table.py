@@ -35,4 +35,5 @@ def test_interleaved_run_writes_a_ratio_with_its_range(tmp_path):
     text = out.read_text()
     assert re.search(r"\| tiny \| .* \| sdpa \| train_step \|( [\d.,]+ \|){4}", text)
     assert re.search(r"\| tiny \| .* \| flash_torch \| train_step \|( [\d.,]+ \|){4}", text)
-    assert re.search(r"\| tiny \| fp32 \| train_step \| \d\.\d{3} \[\d\.\d{3}-\d\.\d{3}\] \|", text), text
+    # (the ratio's size is the machine's business: on a busy CPU one round of either model can take 10x the other)
+    assert re.search(r"\| tiny \| fp32 \| train_step \| \d+\.\d{3} \[\d+\.\d{3}-\d+\.\d{3}\] \|", text), text
