@@ -239,7 +239,7 @@ if HAVE_GLUON:
         the consumers are done with the Q buffer (Q_BUFS of them in turn), each with the tile's coordinates in
         that Q block's info slot (`_post_tile`), then K_i / V_i of its other key tiles through the ring. So the
         next tile's loads run while the consumers finish this one. Rows past a head's end read as zeros. After the
-        last tile, an info slot a consumer with first row -1 ends the consumers' walks."""
+        last tile each consumer's next info slot gets first row -1, which ends its walk."""
         elem: gl.constexpr = q_smem.dtype.primitive_bitwidth // 8
         q_bytes: gl.constexpr = _HALF_M * (D_MAIN + D_TAIL) * elem
         kv_bytes: gl.constexpr = BLOCK_N * (D_MAIN + D_TAIL) * elem
