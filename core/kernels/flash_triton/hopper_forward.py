@@ -142,13 +142,25 @@ if HAVE_GLUON:
         return 2 * n_rounds + (gl.program_id(0) < n_after).to(gl.int32)
 
     @gluon.jit
-    def _post_tile(info, slot, pid_zh, z, h, start_m):
-        """Write a query tile's (batch x head, batch, head, first row) into info slot `slot` for a consumer
-        (`_read_tile`); a first row of -1 says the walk is over. Every producer thread writes the same four words;
-        the caller's barrier orders them before the q_ready arrive that publishes them."""
+    def _post_tile(info, q_empty, slot, n_done, Q_BUFS: gl.constexpr, pid_zh, z, h, start_m):
+        """Once its consumer has freed Q buffer slot `slot` (for the producer's n_done-th query tile), write the
+        tile's (batch x head, batch, head, first row) into the slot's info words for the consumer (`_read_tile`); a
+        first row of -1 says the walk is over. Every producer thread writes the same four words; the barrier orders
+        them before the caller's q_ready arrive, which publishes them."""
+        mbarrier.wait(q_empty.index(slot), ((n_done // Q_BUFS) & 1) ^ 1)
         lay: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
         i = gl.arange(0, 4, layout=lay)
         info.index(slot).store(gl.where(i == 0, pid_zh, gl.where(i == 1, z, gl.where(i == 2, h, start_m))))
+        _barrier()
+
+    @gluon.jit
+    def _key_bound(start_m, rows, causal_off, n_k, IS_CAUSAL: gl.constexpr):
+        """Keys a query tile of `rows` rows from start_m sees: under the causal mask its last row's, j < start_m +
+        rows + causal_off."""
+        if IS_CAUSAL:
+            return gl.minimum(gl.maximum(start_m + rows + causal_off, 0), n_k)
+        else:
+            return n_k
 
     @gluon.jit
     def _read_tile(info, slot):
@@ -191,10 +203,7 @@ if HAVE_GLUON:
         start_m = (n_tiles - 1 - r) * BM
         off_z = pid_zh // n_heads
         off_h = pid_zh % n_heads
-        if IS_CAUSAL:  # keys the tile's last row sees: j < start_m + BM + causal_off
-            hi = gl.minimum(gl.maximum(start_m + BM + causal_off, 0), n_k)
-        else:
-            hi = n_k
+        hi = _key_bound(start_m, BM, causal_off, n_k, IS_CAUSAL)
         exists = (u < n_units) & (pid_zh < n_zh)
         return exists, pid_zh, off_z, off_h, off_h // kv_group, start_m, hi, gl.cdiv(hi, BLOCK_N)
 
@@ -255,9 +264,7 @@ if HAVE_GLUON:
                              v_ready, empty, z, hk, kv_bytes, STAGES, D_TAIL)
                 qb = (n_done % Q_BUFS) * NUM_CONS
                 for c in gl.static_range(NUM_CONS):
-                    mbarrier.wait(q_empty.index(qb + c), ((n_done // Q_BUFS) & 1) ^ 1)
-                    _post_tile(info, qb + c, pid_zh, z, h, start_m)
-                    _barrier()  # every producer thread's info store before the arrive below publishes it
+                    _post_tile(info, q_empty, qb + c, n_done, Q_BUFS, pid_zh, z, h, start_m)
                     mbarrier.expect(q_ready.index(qb + c), q_bytes)
                     _tile_load(q_desc, qt_desc, z, h, start_m + c * _HALF_M, q_ready.index(qb + c),
                                q_smem.index(qb + c), qt_smem.index(qb + c), D_TAIL)
@@ -268,9 +275,7 @@ if HAVE_GLUON:
                 n_done += 1
         qb = (n_done % Q_BUFS) * NUM_CONS
         for c in gl.static_range(NUM_CONS):
-            mbarrier.wait(q_empty.index(qb + c), ((n_done // Q_BUFS) & 1) ^ 1)
-            _post_tile(info, qb + c, 0, 0, 0, -1)
-            _barrier()
+            _post_tile(info, q_empty, qb + c, n_done, Q_BUFS, 0, 0, 0, -1)
             mbarrier.arrive(q_ready.index(qb + c), count=1)
 
     @gluon.jit
@@ -506,10 +511,7 @@ if HAVE_GLUON:
         while start_m >= 0:
             qb = (n_done % Q_BUFS) * NUM_CONS + ROLE
             row0 = start_m + ROLE * _HALF_M
-            if IS_CAUSAL:  # keys the tile's last row sees: j < start_m + rows + causal_off
-                hi = gl.minimum(gl.maximum(start_m + NUM_CONS * _HALF_M + causal_off, 0), n_k)
-            else:
-                hi = n_k
+            hi = _key_bound(start_m, NUM_CONS * _HALF_M, causal_off, n_k, IS_CAUSAL)
             n_kt = gl.cdiv(hi, BLOCK_N)
             if O_OWN:
                 o_buf = o_smem.index(ROLE)
@@ -648,8 +650,8 @@ if HAVE_GLUON:
                              qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
                              STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP)),
                 (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
-                             q_empty, k_ready, v_ready, empty, info, n_units, n_pairs, n_tiles, n_zh, n_heads, kv_group, n_k,
-                             causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, NUM_CONS)),
+                             q_empty, k_ready, v_ready, empty, info, n_units, n_pairs, n_tiles, n_zh, n_heads,
+                             kv_group, n_k, causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, NUM_CONS)),
             ], [4, 4, PRODUCER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
@@ -662,8 +664,8 @@ if HAVE_GLUON:
                              qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
                              STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP)),
                 (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
-                             q_empty, k_ready, v_ready, empty, info, n_units, n_pairs, n_tiles, n_zh, n_heads, kv_group, n_k,
-                             causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, NUM_CONS)),
+                             q_empty, k_ready, v_ready, empty, info, n_units, n_pairs, n_tiles, n_zh, n_heads,
+                             kv_group, n_k, causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, NUM_CONS)),
             ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
