@@ -1114,8 +1114,10 @@ for d in hf.HEAD_DIMS:
         constexprs = dict(IS_CAUSAL=causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, STAGES=stages,
                           Q_BUFS=q_bufs, NUM_CONS=consumers,
                           CONSUMER_REGS=hf.CONSUMER_REGS[consumers], PRODUCER_REGS=hf.PRODUCER_REGS,
-                          PRODUCER_WARPS=hf.PRODUCER_WARPS, O_OWN=hf._o_own(d, block_n, stages, q_bufs, consumers),
+                          PRODUCER_WARPS=hf.producer_warps(block_n),
+                          O_OWN=hf._o_own(d, block_n, stages, q_bufs, consumers),
                           PINGPONG=hf.pingpong(d, block_n, consumers), ONE_LOOP=hf.one_loop(block_n, consumers))
+        constexprs["SWAP"] = hf.swap_halves(causal, block_n, consumers, constexprs["PINGPONG"])
         types = {"LSE": "*fp32"}
         for name in ("Q", "K", "V", "O", "Q_T", "K_T", "V_T", "O_T"):  # 4-D TMA descriptors made on the host
             rows = hf.HALF_M if name[0] in "QO" else block_n
@@ -1190,9 +1192,10 @@ def test_forward_policy_takes_gluon_where_it_applies(monkeypatch):
     """The forward runs the Gluon kernel where it applies (at every head dim it takes, 80 = 64 + 16 here; at 64 from
     `hopper_fwd_d64_min_rows` query rows on under a causal mask), with its short-row tiles below
     `hopper_fwd_long_rows` query rows under a causal mask (the 128-key tiles without it) and its three-consumer tiles
-    from there on at d = 64 and 80 (32 has none: its 128-key tiles; d = 64 under a causal mask from
-    `hopper_fwd_d64_long_rows`), unless the split-KV forward splits the call or `tiles.fwd` pins the Triton kernel;
-    elsewhere the Triton kernels (their output against float64 here)."""
+    from there on at d = 64 and 80 (32 has none: its 128-key tiles); at d = 64 under a causal mask the short-row tiles
+    below `hopper_fwd_d64_short_rows` and three consumers from `hopper_fwd_d64_long_rows`, without the mask three
+    from `hopper_fwd_d64_unmasked_long_rows`; unless the split-KV forward splits the call or `tiles.fwd` pins the
+    Triton kernel; elsewhere the Triton kernels (their output against float64 here)."""
     from core.kernels.flash_triton import hopper_forward as hf
     launched = []
 
@@ -1207,13 +1210,15 @@ def test_forward_policy_takes_gluon_where_it_applies(monkeypatch):
     monkeypatch.setattr(ftd, "_hopper_fwd_ok", lambda q, k, v, cfg: cfg.hopper_fwd)
     monkeypatch.setattr(hf, "launch_fwd", fake_launch)
     monkeypatch.setattr(hf, "HEAD_DIMS", (32, 64, 80))
-    monkeypatch.setattr(hf, "FWD_TILES", {32: (128, 6, 1, 2), 64: (128, 6, 1, 2), 80: (128, 4, 1, 2)})
-    monkeypatch.setattr(hf, "SHORT_TILES", {32: (64, 8, 2, 2), 64: (64, 8, 2, 2), 80: (64, 8, 2, 2)})
+    monkeypatch.setattr(hf, "FWD_TILES", {32: (128, 6, 1, 2), 64: (128, 5, 2, 2), 80: (128, 4, 1, 2)})
+    monkeypatch.setattr(hf, "SHORT_TILES", {32: (64, 8, 2, 2), 64: (64, 11, 2, 2), 80: (64, 8, 2, 2)})
     monkeypatch.setattr(hf, "WIDE_TILES", {64: (128, 5, 1, 3), 80: (64, 6, 1, 3)})
-    cfg = FlashConfig(hopper_fwd_long_rows=64, hopper_fwd_d64_min_rows=64, hopper_fwd_d64_long_rows=128)
+    cfg = FlashConfig(hopper_fwd_long_rows=64, hopper_fwd_d64_min_rows=64, hopper_fwd_d64_short_rows=96,
+                      hopper_fwd_d64_long_rows=128, hopper_fwd_d64_unmasked_long_rows=64)
     cases = [(64, 32, cfg, [(64, "fwd")]), (32, 32, cfg, [(32, "short")]),  # long tiles from hopper_fwd_long_rows
              (64, 80, cfg, [(64, "wide")]), (32, 80, cfg, [(32, "short")]),  # 80 = 64 + 16: three consumers
              (32, 64, cfg, []), (64, 64, cfg, [(64, "short")]),  # d = 64: from hopper_fwd_d64_min_rows,
+             (96, 64, cfg, [(96, "fwd")]),  # 128-key tiles from hopper_fwd_d64_short_rows,
              (128, 64, cfg, [(128, "wide")]),  # three consumers from hopper_fwd_d64_long_rows
              (64, 32, cfg.replace(split_keys=16), []),          # a split-KV call stays split
              (64, 32, cfg.replace(hopper_fwd=False), []),
@@ -1221,7 +1226,8 @@ def test_forward_policy_takes_gluon_where_it_applies(monkeypatch):
     cases = [(n_q, d, c, expect, True) for n_q, d, c, expect in cases]
     cases += [(32, 32, cfg, [(32, "fwd")], False),  # no causal mask: the 128-key tiles at short rows too,
               (32, 64, cfg, [(32, "fwd")], False),  # at d = 64 at every row count,
-              (64, 64, cfg, [(64, "wide")], False)]  # with three consumers from hopper_fwd_long_rows
+              (64, 64, cfg, [(64, "wide")], False),  # with three consumers from hopper_fwd_d64_unmasked_long_rows,
+              (64, 80, cfg.replace(hopper_fwd_long_rows=128), [(64, "fwd")], False)]  # else hopper_fwd_long_rows
     for n_q, d, c, expect, causal in cases:
         launched.clear()
         q, k, v = (torch.randn(1, 2, n_q, d, device=DEVICE) for _ in range(3))
@@ -1329,6 +1335,21 @@ def test_gpu_gluon_fwd_first_tile_in_loop_matches_peel(tiles, d, n_q, n_k, causa
     from core.kernels.flash_triton import hopper_forward as hf
     outs = _gluon_fwd_variants(d, n_q, n_k, causal, 18, getattr(hf, tiles)[d],
                                [dict(first_in_loop=True), dict(first_in_loop=False)])
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tiles,d", [("SHORT_TILES", 128), ("SHORT_TILES", 80), ((64, 8, 2, 2), 64)])
+@pytest.mark.parametrize("n_q,n_k", [(600, 600), (334, 200), (200, 333), (1024, 1024)])
+def test_gpu_gluon_fwd_swapped_halves_match(tiles, d, n_q, n_k):
+    """Two consumers taking alternate halves of their query tiles under the causal mask, skipping the key tiles
+    wholly masked for their rows (`swap_halves`), compute what they compute with fixed halves, every key tile
+    run: a skipped tile would add exp2(-inf) = 0 and leave the max, so output and logsumexp are bit for bit the
+    same; with ragged ends, rows that see no key, n_q < n_k, and against float64."""
+    from core.kernels.flash_triton import hopper_forward as hf
+    tiles = getattr(hf, tiles)[d] if isinstance(tiles, str) else tiles
+    outs = _gluon_fwd_variants(d, n_q, n_k, True, 19, tiles, [dict(swap=True), dict(swap=False)])
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 

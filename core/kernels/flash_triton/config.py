@@ -47,8 +47,10 @@ class FlashConfig:
         tiles (a short causal row's few key tiles, the last one half masked, pipeline better in more, smaller
         steps), without the mask the 128-key tiles;
         hopper_fwd_d64_min_rows: at head dim 64 under a causal mask only from this many query rows on (shorter rows
-        keep the Triton forward; without the mask the Gluon kernel wins at every length), and its long-row tiles there
-        only from hopper_fwd_d64_long_rows rows on (below, two consumers with 128-key tiles).
+        keep the Triton forward; without the mask the Gluon kernel wins at every length); there its 64-key tiles
+        below hopper_fwd_d64_short_rows rows, its long-row tiles from hopper_fwd_d64_long_rows rows on, and two
+        consumers with 128-key tiles between; without the mask at d = 64 its long-row tiles from
+        hopper_fwd_d64_unmasked_long_rows rows on.
     split_kv: the split-KV forward on grids that leave SMs idle; split_keys forces a split length in keys on every
         call (tests); max_splits caps the splits per query tile.
     split_merge: "in_kernel" (the split that arrives last merges: one launch) or "separate" (a merge kernel: two).
@@ -68,7 +70,9 @@ class FlashConfig:
     hopper_fwd: bool = True
     hopper_fwd_long_rows: int = 2048
     hopper_fwd_d64_min_rows: int = 512
+    hopper_fwd_d64_short_rows: int = 1024
     hopper_fwd_d64_long_rows: int = 4096
+    hopper_fwd_d64_unmasked_long_rows: int = 512
     split_kv: bool = True
     split_keys: int | None = None
     max_splits: int = 4
@@ -98,7 +102,8 @@ class FlashConfig:
                                   f"use one of {', '.join(allowed)}")
         object.__setattr__(self, "ws_min_rows", _rows_by_head_dim(self.ws_min_rows, f"{_KEY}.ws_min_rows"))
         for name in ("fused_max_tiles", "fused_max_tiles_wide", "hopper_fwd_long_rows", "hopper_fwd_d64_min_rows",
-                     "hopper_fwd_d64_long_rows", "max_splits", "short_row_tiles"):
+                     "hopper_fwd_d64_short_rows", "hopper_fwd_d64_long_rows", "hopper_fwd_d64_unmasked_long_rows",
+                     "max_splits", "short_row_tiles"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ConfigError(f"{_KEY}.{name}", f"{getattr(self, name)!r} is not a non-negative integer",
                                   "give a whole number >= 0")

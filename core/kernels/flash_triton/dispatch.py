@@ -135,9 +135,13 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
     min_rows = cfg.hopper_fwd_d64_min_rows if d64_causal else 0
     if not split_len and pinned is None and n_q >= min_rows and _hopper_fwd_ok(q, k, v, cfg):
         from core.kernels.flash_triton import hopper_forward
-        long_rows = cfg.hopper_fwd_d64_long_rows if d64_causal else cfg.hopper_fwd_long_rows
+        if d != 64:
+            short_rows = long_rows = cfg.hopper_fwd_long_rows
+        else:
+            short_rows = cfg.hopper_fwd_d64_short_rows
+            long_rows = cfg.hopper_fwd_d64_long_rows if is_causal else cfg.hopper_fwd_d64_unmasked_long_rows
         hopper_forward.launch_fwd(q, k, v, o, lse, is_causal, 1.0 / math.sqrt(d),
-                                  hopper_forward.fwd_tiles(d, n_q, is_causal, long_rows))
+                                  hopper_forward.fwd_tiles(d, n_q, is_causal, short_rows, long_rows))
         return o, lse
     if split_len:  # small grid: split-KV
         short = _cdiv(n_k, bn) < cfg.short_row_tiles

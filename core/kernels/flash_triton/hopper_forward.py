@@ -7,7 +7,8 @@ are needed. A program stays on its SM (one per SM: shared memory holds no second
 rows (192 at d = 64, 80 and 96 from `FlashConfig.hopper_fwd_long_rows` rows: `WIDE_TILES`) of one (batch, head)
 each, in three or four partitions (`gl.warp_specialize`):
 
-- a producer warpgroup walks the schedule (`_tile`) and issues the TMA loads: the tile's 64-row Q blocks, one per
+- a producer (one warp with 64-key tiles, else a warpgroup: `producer_warps`) walks the schedule (`_tile`) and
+  issues the TMA loads: the tile's 64-row Q blocks, one per
   consumer, into one of `Q_BUFS` buffers once the consumers have done their last Q K^T with it (a ready and an empty
   mbarrier each), with the tile's coordinates beside each block in shared memory, so the consumers do not walk the
   schedule's integer divisions themselves (`_post_tile`: 0.91-0.97x the time at S = 512-2048), and each key
@@ -15,22 +16,24 @@ each, in three or four partitions (`gl.warp_specialize`):
   empty one that the consumers release). The ring runs on across query tiles, so the next tile's first loads overlap
   this tile's last matmuls and its epilogue (which a program-per-tile launch exposes on every tile: 1.07-1.14x the
   time at 2048 rows);
-- two (or three) consumer warpgroups, 64 query rows each, with their own online-softmax state (base 2, log2(e)
-  folded into the scale) and fp32 output accumulator in registers. Per key tile j a consumer issues S_j = Q K_j^T,
-  then O += P_{j-1} V_{j-1} (P in registers as the wgmma A operand), waits for S_j only, computes the softmax of S_j
-  while the PV matmul runs, then waits for it, releases slot j-1 and rescales O: at most two wgmma groups in flight.
-  A query tile's first key tile runs in that loop too, its PV a no-op (P = 0), where that pays (`one_loop`: one copy
-  of the step's code fewer, which the instruction cache holds better), else it is peeled off the loop.
-  The consumers run unsynchronised, so one's softmax also overlaps the others' matmuls; with two consumers and
-  128-key tiles at d = 80-128 (`pingpong`) they issue their matmul groups in turns (FlashAttention-3's ping-pong: an
-  mbarrier a consumer, handed over once its group is issued), which keeps one's softmax under the other's matmuls
-  rather than leaving it to chance. A tile's O / l goes into shared memory and out by one TMA store, which runs
-  while the consumer stores the LSE and starts the next tile: from an O buffer of the consumer's own where shared
-  memory has room (`_o_own`; the Q block goes back to the producer after the last S = Q K^T, and the store is waited
-  on in the next epilogue), else from the tile's Q block buffer (the last S has read it), handed back to the
-  producer once the store has read it, at the next tile's start. (Storing O from registers took 1.12-1.27x the time
-  at S = 512-1024: scattered 4-byte stores, twice the L2 write sectors, where a short-row forward is bound by
-  memory.) Consumers keep `CONSUMER_REGS` registers a thread (setmaxnreg), the producer `PRODUCER_REGS`.
+- two (or three) consumer warpgroups, 64 query rows each (under a causal mask with 64-key tiles the two take alternate
+  halves of their query tiles, `swap_halves`: the lower half's rows see one key tile fewer, which its consumer skips, so
+  each gets the lighter half every second tile), with their own online-softmax state (base 2, log2(e) folded into the
+  scale) and fp32 output accumulator in registers. Per key tile j a consumer issues S_j = Q K_j^T, then O += P_{j-1}
+  V_{j-1} (P in registers as the wgmma A operand), waits for S_j only, computes the softmax of S_j while the PV matmul
+  runs, then waits for it, releases slot j-1 and rescales O: at most two wgmma groups in flight. A query tile's first
+  key tile runs in that loop too, its PV a no-op (P = 0), where that pays (`one_loop`: one copy of the step's code
+  fewer, which the instruction cache holds better), else it is peeled off the loop. The consumers run unsynchronised, so
+  one's softmax also overlaps the others' matmuls; with two consumers and 128-key tiles at d = 80-128 (`pingpong`) they
+  issue their matmul groups in turns (FlashAttention-3's ping-pong: an mbarrier a consumer, handed over once its group
+  is issued), which keeps one's softmax under the other's matmuls rather than leaving it to chance. A tile's O / l goes
+  into shared memory and out by one TMA store, which runs while the consumer stores the LSE and starts the next tile:
+  from an O buffer of the consumer's own where shared memory has room (`_o_own`; the Q block goes back to the producer
+  after the last S = Q K^T, and the store is waited on in the next epilogue), else from the tile's Q block buffer (the
+  last S has read it), handed back to the producer once the store has read it, at the next tile's start. (Storing O from
+  registers took 1.12-1.27x the time at S = 512-1024: scattered 4-byte stores, twice the L2 write sectors, where a
+  short-row forward is bound by memory.) Consumers keep `CONSUMER_REGS` registers a thread (setmaxnreg), the producer
+  `PRODUCER_REGS`.
 
 The TMA descriptors are 4-D, over (Z, H, N, d) at the tensors' strides, made on the host (building 2-D per-head
 ones in every program cost 20-25% at S = 512), so views such as q, k, v sliced from a fused projection are read in
@@ -59,7 +62,8 @@ split-KV forward serves grids that leave SMs idle), with 64-key tiles below `Fla
 query rows under a causal mask (`SHORT_TILES`), three consumers at d = 64, 80 and 96 from there on (`WIDE_TILES`),
 and at head dim 64 under a causal mask only from `FlashConfig.hopper_fwd_d64_min_rows` query rows on (at d = 64 the
 exponentials, not the matmuls, bound it, and short causal rows leave little to overlap them with: at 512 rows it
-takes 0.95-0.98x the Triton forward's time, at 1024 0.97x; shorter rows keep the Triton forward, not measured).
+took 0.95-0.98x the Triton forward's time with 128-key tiles, at 1024 0.97x; shorter rows keep the Triton forward,
+not measured), its own row thresholds there (`fwd_tiles`).
 """
 from __future__ import annotations
 
@@ -89,26 +93,26 @@ HALF_M = 64
 # (BLOCK_N keys per tile, STAGES of the K/V ring, Q_BUFS query-tile buffers, consumer warpgroups) per head dim, the
 # fastest measured within the 227 KB of shared memory a program may have, with the consumers' O buffers where they
 # fit (`_o_own`): d = 128, Q 32 KB + 3 x (K + V) 64 KB = 224 KB (no O buffers); d = 96, 2 x 24 + 3 x 48 + O 24 =
-# 216 KB; d = 80, 20 + 4 x 40 + 20 = 200 KB; d = 64, 16 + 6 x 32 + 16 = 224 KB
-FWD_TILES = {64: (128, 6, 1, 2), 80: (128, 4, 1, 2), 96: (128, 3, 2, 2), 128: (128, 3, 1, 2)}
-# ... for short rows under a causal mask (`FlashConfig.hopper_fwd_long_rows`): 64-key tiles, so a row's few key
-# tiles, the last one half masked, make more, smaller pipeline steps (0.64-0.90x the time of the 128-key tiles at
-# S = 512-1024, 1.05-1.22x from 8192); d = 128, 2 x 32 + 4 x 32 + O 32 = 224 KB; d = 96, 2 x 24 + 6 x 24 + 24 =
-# 216 KB; d = 80, 2 x 20 + 8 x 20 + 20 = 220 KB. Not at d = 64, whose 64-key steps are too short to hide their
-# exponentials: its 128-key tiles took 0.87x their time at 1024-2048 rows (0.98-1.02x at 512), so at d = 64 these are
-# two consumers over 128-key tiles (below `FlashConfig.hopper_fwd_d64_long_rows` rows under the mask);
-# 2 x 16 + 5 x 32 + 16 = 208 KB
-SHORT_TILES = {64: (128, 5, 2, 2), 80: (64, 8, 2, 2), 96: (64, 6, 2, 2), 128: (64, 4, 2, 2)}
-# ... from hopper_fwd_long_rows rows on, where three consumers pay: at d = 64 the exponentials bound a consumer
-# (a 64 x 128 score tile's 8192 exp2 take the SM's special-function units as long as its two wgmmas take the tensor
-# cores), so a third consumer's matmuls fill the others' softmax time: 0.90-0.95x the time of two from 8192 rows,
-# causal or not, 0.88-1.00x at 2048-4096 without a causal mask, level at 4096 with one (FlashAttention-3 does the
-# same at d = 64).
-# Q 24 + 5 x 32 + O 24 = 208 KB. Its 192-row tiles leave ragged ends at power-of-two lengths (12.5% of the rows
-# at 512-1024: 1.07-1.29x two consumers' time there), so short rows keep two. At d = 80 and 96 three consumers
-# with 64-key tiles (with 128-key ones their 160 registers spill, 0.3-0.8 KB a thread): 0.87-0.92x two consumers'
-# time from 2048 rows, causal or not (at S = 512 1.15-1.28x); d = 96, Q 36 + 6 x 24 + O 36 = 216 KB, d = 80,
-# 30 + 6 x 20 + 30 = 180 KB. At d = 128 (4 stages) they measured 0.96-1.05x, so it keeps two.
+# 216 KB; d = 80, 20 + 4 x 40 + 20 = 200 KB; d = 64 (its middle rows under a causal mask, 1024 to
+# `FlashConfig.hopper_fwd_d64_long_rows`, and short rows without it), 2 x 16 + 5 x 32 + 16 = 208 KB
+FWD_TILES = {64: (128, 5, 2, 2), 80: (128, 4, 1, 2), 96: (128, 3, 2, 2), 128: (128, 3, 1, 2)}
+# ... for short rows under a causal mask (`fwd_tiles`): 64-key tiles, so a row's few key tiles, the last one half
+# masked, make more, smaller pipeline steps, and the two consumers take alternate halves of their query tiles and
+# skip the key tiles wholly masked for their rows (`swap_halves`). Against 128-key tiles: 0.64-0.90x the time at
+# S = 512-1024 at d = 80-128 (before the swap; 1.05-1.22x from 8192), at d = 64 0.93x at 512 rows, 1.04x at 1024 (its
+# 64-key steps are short for their exponentials). The swap: 0.91-0.96x fixed halves' time at S = 512-1024.
+# d = 128, 2 x 32 + 4 x 32 + O 32 = 224 KB; d = 96, 2 x 24 + 6 x 24 + 24 = 216 KB; d = 80, 2 x 20 + 8 x 20 + 20 =
+# 220 KB; d = 64, 2 x 16 + 11 x 16 + 16 = 224 KB
+SHORT_TILES = {64: (64, 11, 2, 2), 80: (64, 8, 2, 2), 96: (64, 6, 2, 2), 128: (64, 4, 2, 2)}
+# ... for long rows, where three consumers pay: at d = 64 the exponentials bound a consumer (a 64 x 128 score
+# tile's 8192 exp2 take the SM's special-function units as long as its two wgmmas take the tensor cores), so a
+# third consumer's matmuls fill the others' softmax time: 0.90-0.95x the time of two from 8192 rows, causal or not,
+# level at 4096 with a causal mask; without it 0.85-0.93x at 1024-2048 rows, level at 512, where the 192-row tiles
+# leave a ragged end (FlashAttention-3 also runs three at d = 64).
+# Q 24 + 5 x 32 + O 24 = 208 KB. At d = 80 and 96 three consumers with 64-key tiles (with 128-key ones their 160
+# registers spill, 0.3-0.8 KB a thread): 0.87-0.92x two consumers' time from 2048 rows, causal or not (at S = 512
+# 1.15-1.28x); d = 96, Q 36 + 6 x 24 + O 36 = 216 KB, d = 80, 30 + 6 x 20 + 30 = 180 KB. At d = 128 (4 stages) they
+# measured 0.96-1.05x, so it keeps two.
 WIDE_TILES = {64: (128, 5, 1, 3), 80: (64, 6, 1, 3), 96: (64, 6, 1, 3)}
 # setmaxnreg, by consumer count: consumers 240 (two) or 160 (three) registers a thread, the producer 32
 # (2 x 128 x 240 + 128 x 32 = 3 x 128 x 160 + 128 x 32 = 64 K; with 24 its tile arithmetic spills)
@@ -121,7 +125,6 @@ CONSUMER_REGS, PRODUCER_REGS = {2: 240, 3: 160}, 32
 # 64-key short-row tiles (1.06-1.09x: the waits weigh on steps half as long)
 PINGPONG_HEAD_DIMS = (80, 96, 128)
 SMEM_LIMIT = 232448  # bytes of shared memory a program may have on sm_90
-PRODUCER_WARPS = 4
 
 if HAVE_GLUON:
     _HALF_M = gl.constexpr(HALF_M)
@@ -152,6 +155,16 @@ if HAVE_GLUON:
         i = gl.arange(0, 4, layout=lay)
         info.index(slot).store(gl.where(i == 0, pid_zh, gl.where(i == 1, z, gl.where(i == 2, h, start_m))))
         _barrier()
+
+    @gluon.jit
+    def _half(role, n_done, SWAP: gl.constexpr):
+        """Which 64-row half of its n_done-th query tile consumer `role` takes: its own, or with SWAP (two
+        consumers under a causal mask) the other one on every second tile, so each consumer gets the lower half,
+        whose rows see one key tile fewer, on every second tile and the two do equal work."""
+        if SWAP:
+            return role ^ (n_done & 1)
+        else:
+            return role
 
     @gluon.jit
     def _key_bound(start_m, rows, causal_off, n_k, IS_CAUSAL: gl.constexpr):
@@ -243,7 +256,8 @@ if HAVE_GLUON:
     def _producer(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
                   vt_smem, q_ready, q_empty, k_ready, v_ready, empty, info, n_units, n_pairs, n_tiles, n_zh, n_heads,
                   kv_group, n_k, causal_off, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr, NUM_CONS: gl.constexpr):
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr, NUM_CONS: gl.constexpr,
+                  SWAP: gl.constexpr):
         """TMA loads of the program's query tiles one after the other: a tile's K_0 / V_0, its Q blocks once
         the consumers are done with the Q buffer (Q_BUFS of them in turn), each with the tile's coordinates in
         that Q block's info slot (`_post_tile`), then K_i / V_i of its other key tiles through the ring. So the
@@ -266,8 +280,8 @@ if HAVE_GLUON:
                 for c in gl.static_range(NUM_CONS):
                     _post_tile(info, q_empty, qb + c, n_done, Q_BUFS, pid_zh, z, h, start_m)
                     mbarrier.expect(q_ready.index(qb + c), q_bytes)
-                    _tile_load(q_desc, qt_desc, z, h, start_m + c * _HALF_M, q_ready.index(qb + c),
-                               q_smem.index(qb + c), qt_smem.index(qb + c), D_TAIL)
+                    _tile_load(q_desc, qt_desc, z, h, start_m + _half(c, n_done, SWAP) * _HALF_M,
+                               q_ready.index(qb + c), q_smem.index(qb + c), qt_smem.index(qb + c), D_TAIL)
                 for i in range(1, n_kt):
                     _load_kv(it + i, i * BLOCK_N, k_desc, v_desc, kt_desc, vt_desc, k_smem, v_smem, kt_smem,
                              vt_smem, k_ready, v_ready, empty, z, hk, kv_bytes, STAGES, D_TAIL)
@@ -486,7 +500,8 @@ if HAVE_GLUON:
                   ot_smem, q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off, qk_scale,
                   IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr,
                   D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-                  O_OWN: gl.constexpr, NUM_CONS: gl.constexpr, PINGPONG: gl.constexpr, ONE_LOOP: gl.constexpr):
+                  O_OWN: gl.constexpr, NUM_CONS: gl.constexpr, PINGPONG: gl.constexpr, ONE_LOOP: gl.constexpr,
+                  SWAP: gl.constexpr):
         """Rows ROLE * 64 ... of each of the program's query tiles: attention over the tile's key tiles, then O
         (by TMA, from this warpgroup's O buffer with O_OWN, else from the tile's Q buffer) and the LSE stored."""
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -501,16 +516,17 @@ if HAVE_GLUON:
         row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
         dtype: gl.constexpr = q_smem.dtype
         # three consumers' 192-row tiles end ragged at power-of-two lengths, and under a causal mask their first
-        # rows miss the diagonal's last key tile: each consumer computes only the key tiles its rows see (with two,
-        # 128 rows over 64- or 128-key tiles, measured level with computing them all)
-        SKIP: gl.constexpr = NUM_CONS > 2
+        # rows miss the diagonal's last key tile: each consumer computes only the key tiles its rows see; so do two
+        # with swapped halves (with fixed halves skipping measured level with computing them all: the upper half's
+        # consumer, which sees every key tile, sets the pace)
+        SKIP: gl.constexpr = (NUM_CONS > 2) | SWAP
         it = 0  # key tiles consumed
         n_done = 0  # query tiles consumed
         n_seen = 0  # query tiles with keys to attend to (the ping-pong turns: n + 1 per tile of n key tiles)
         pid_zh, off_z, off_h, start_m = _next_tile(n_done, info, q_ready, q_empty, ROLE, Q_BUFS, NUM_CONS, O_OWN)
         while start_m >= 0:
             qb = (n_done % Q_BUFS) * NUM_CONS + ROLE
-            row0 = start_m + ROLE * _HALF_M
+            row0 = start_m + _half(ROLE, n_done, SWAP) * _HALF_M
             hi = _key_bound(start_m, NUM_CONS * _HALF_M, causal_off, n_k, IS_CAUSAL)
             n_kt = gl.cdiv(hi, BLOCK_N)
             if O_OWN:
@@ -577,9 +593,11 @@ if HAVE_GLUON:
                        IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, Q_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, O_OWN: gl.constexpr,
-                       NUM_CONS: gl.constexpr, PINGPONG: gl.constexpr, ONE_LOOP: gl.constexpr):
+                       NUM_CONS: gl.constexpr, PINGPONG: gl.constexpr, ONE_LOOP: gl.constexpr, SWAP: gl.constexpr):
         gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
         gl.static_assert(NUM_CONS == 2 or not PINGPONG, "ping-pong turns are between two consumers")
+        gl.static_assert(not (SWAP and PINGPONG), "ping-pong turns count equal matmul groups a consumer")
+        gl.static_assert(NUM_CONS == 2 or not SWAP, "halves are swapped between two consumers")
         # persistent: the program walks pairs of query tiles of 2 x 64 rows (`_tile`), head-major
         n_tiles = gl.cdiv(n_q, NUM_CONS * _HALF_M)
         n_pairs = n_tiles // 2  # pairs of query tiles a head, and two heads' middle tiles a unit (`_tile`)
@@ -640,32 +658,34 @@ if HAVE_GLUON:
                 (_consumer, (0, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
                              q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off,
                              qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
-                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP)),
+                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP, SWAP)),
                 (_consumer, (1, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
                              q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off,
                              qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
-                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP)),
+                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP, SWAP)),
                 (_consumer, (2, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
                              q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off,
                              qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
-                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP)),
+                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP, SWAP)),
                 (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
                              q_empty, k_ready, v_ready, empty, info, n_units, n_pairs, n_tiles, n_zh, n_heads,
-                             kv_group, n_k, causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, NUM_CONS)),
+                             kv_group, n_k, causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, NUM_CONS,
+                             SWAP)),
             ], [4, 4, PRODUCER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (0, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
                              q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off,
                              qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
-                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP)),
+                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP, SWAP)),
                 (_consumer, (1, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
                              q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off,
                              qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
-                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP)),
+                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP, SWAP)),
                 (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
                              q_empty, k_ready, v_ready, empty, info, n_units, n_pairs, n_tiles, n_zh, n_heads,
-                             kv_group, n_k, causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, NUM_CONS)),
+                             kv_group, n_k, causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, NUM_CONS,
+                             SWAP)),
             ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -694,18 +714,35 @@ def fwd_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
                and all(s > 0 and s % 8 == 0 for s in t.stride()[:3]) for t in (q, k, v))
 
 
-def fwd_tiles(d: int, n_q: int, is_causal: bool, long_rows: int) -> tuple[int, int, int, int]:
+def fwd_tiles(d: int, n_q: int, is_causal: bool, short_rows: int, long_rows: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, STAGES, Q_BUFS, consumers) for a forward of n_q query rows: `SHORT_TILES` under a causal mask below
-    long_rows rows (`FlashConfig.hopper_fwd_long_rows`), from there on `WIDE_TILES` where the head dim has them,
-    else `FWD_TILES`."""
+    short_rows rows, `FWD_TILES` below long_rows rows, from there on `WIDE_TILES` where the head dim has them, else
+    `FWD_TILES` (the rows: `FlashConfig.hopper_fwd_long_rows`, at d = 64 its `hopper_fwd_d64_*` fields)."""
+    if is_causal and n_q < short_rows:
+        return SHORT_TILES[d]
     if n_q < long_rows:
-        return (SHORT_TILES if is_causal else FWD_TILES)[d]
+        return FWD_TILES[d]
     return WIDE_TILES.get(d, FWD_TILES[d])
 
 
 def pingpong(d: int, block_n: int, consumers: int) -> bool:
     """Whether the two consumers issue their matmuls in turns (`PINGPONG_HEAD_DIMS`)."""
     return consumers == 2 and block_n == 128 and d in PINGPONG_HEAD_DIMS
+
+
+def swap_halves(is_causal: bool, block_n: int, consumers: int, turns: bool) -> bool:
+    """Whether two consumers take alternate halves of their query tiles (`_half`) and skip the key tiles wholly
+    masked for their rows: under a causal mask, with 64-key tiles (with 128-key tiles both halves see the
+    diagonal tile) and no ping-pong turns (which count equal matmul groups a consumer)."""
+    return is_causal and consumers == 2 and block_n == 64 and not turns
+
+
+def producer_warps(block_n: int) -> int:
+    """Warps of the producer partition: one with 64-key tiles, whose many short steps keep the producer's waits
+    and loads busy (a warp alone leaves the other three schedulers to the consumers: 0.97-0.98x the time of a
+    warpgroup at d = 64-96, S = 512-2048, level at d = 128), a warpgroup with 128-key tiles (1.00-1.03x the time
+    with one warp). Triton pads a one-warp partition to a warpgroup for setmaxnreg; the padding warps idle."""
+    return 1 if block_n == 64 else 4
 
 
 def one_loop(block_n: int, consumers: int) -> bool:
@@ -722,12 +759,13 @@ def one_loop(block_n: int, consumers: int) -> bool:
 
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, sm_scale: float,
                tiles: tuple[int, int, int, int] | None = None, turns: bool | None = None,
-               first_in_loop: bool | None = None) -> None:
+               first_in_loop: bool | None = None, swap: bool | None = None, warps: int | None = None) -> None:
     """O (preallocated like q, or at any strides a TMA descriptor takes: unit last, 16-byte aligned base and
     others) and lse ((Z, H, N_q) fp32, contiguous) of attention on 4-D (Z, H, N, d) q, k, v (k, v: H / kv_group
     heads), where `fwd_applies`; tiles: (BLOCK_N, STAGES, Q_BUFS, consumers), `FWD_TILES`' by default; turns:
     ping-pong between two consumers, by default where `pingpong`; first_in_loop: a query tile's first key tile in
-    the loop, by default where `one_loop`."""
+    the loop, by default where `one_loop`; swap: two consumers on alternate halves, by default where
+    `swap_halves`; warps: the producer's, by default `producer_warps`."""
     z, h, n_q, d = q.shape
     n_k = k.shape[2]
     d_main, d_tail = common._TILE_D[d]
@@ -740,11 +778,14 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causa
     # persistent: a program an SM (their shared memory allows no second); on a grid of fewer than half as many
     # pairs of query tiles, a tile a program (`_tile`)
     n_units = _cdiv(z * h * _cdiv(n_q, consumers * HALF_M), 2)  # the kernel's work units (`_tile`): half the tiles
+    turns_on = pingpong(d, block_n, consumers) if turns is None else turns
     _fwd_ws_kernel[(min(2 * n_units, launch._sm_count(q.device)),)](
         *descs, *tails, lse, h, h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E, z * h,
         IS_CAUSAL=is_causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, STAGES=stages, Q_BUFS=q_bufs,
         O_OWN=_o_own(d, block_n, stages, q_bufs, consumers), NUM_CONS=consumers,
-        PINGPONG=pingpong(d, block_n, consumers) if turns is None else turns,
+        PINGPONG=turns_on,
         ONE_LOOP=one_loop(block_n, consumers) if first_in_loop is None else first_in_loop,
-        CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS, PRODUCER_WARPS=PRODUCER_WARPS,
+        SWAP=swap_halves(is_causal, block_n, consumers, turns_on) if swap is None else swap,
+        CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
+        PRODUCER_WARPS=producer_warps(block_n) if warps is None else warps,
         num_warps=4)
