@@ -9,4 +9,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# each xdist worker (the README's command runs two), and the processes its tests start, takes its share of the
+# cores: more busy threads than cores leave OpenMP's threads spinning for each other, and multi-process tests on a
+# 2-core machine slowed several-fold
+_THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+torch.set_num_threads(_THREADS)
