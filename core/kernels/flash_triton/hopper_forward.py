@@ -7,15 +7,14 @@ are needed. A program stays on its SM (one per SM: shared memory holds no second
 rows (192 at d = 64, 80 and 96 from `FlashConfig.hopper_fwd_long_rows` rows: `WIDE_TILES`) of one (batch, head)
 each, in three or four partitions (`gl.warp_specialize`):
 
-- a producer (one warp with 64-key tiles, else a warpgroup: `producer_warps`) walks the schedule (`_tile`) and
-  issues the TMA loads: the tile's 64-row Q blocks, one per
-  consumer, into one of `Q_BUFS` buffers once the consumers have done their last Q K^T with it (a ready and an empty
-  mbarrier each), with the tile's coordinates beside each block in shared memory, so the consumers do not walk the
-  schedule's integer divisions themselves (`_post_tile`: 0.91-0.97x the time at S = 512-2048), and each key
-  tile's K and V into a ring of `STAGES` shared-memory slots (a ready mbarrier for K and one for V per slot, and an
-  empty one that the consumers release). The ring runs on across query tiles, so the next tile's first loads overlap
-  this tile's last matmuls and its epilogue (which a program-per-tile launch exposes on every tile: 1.07-1.14x the
-  time at 2048 rows);
+- a producer (one warp with 64-key tiles, else a warpgroup: `producer_warps`) walks the schedule (`_tile`) and issues
+  the TMA loads: the tile's 64-row Q blocks, one per consumer, into one of `Q_BUFS` buffers once the consumers have done
+  their last Q K^T with it (a ready and an empty mbarrier each), with the tile's coordinates beside each block in shared
+  memory, so the consumers do not walk the schedule's integer divisions themselves (`_post_tile`: 0.91-0.97x the time at
+  S = 512-2048), and each key tile's K and V into a ring of `STAGES` shared-memory slots (a ready mbarrier for K and one
+  for V per slot, and an empty one that the consumers release). The ring runs on across query tiles, so the next tile's
+  first loads overlap this tile's last matmuls and its epilogue (which a program-per-tile launch exposes on every tile:
+  1.07-1.14x the time at 2048 rows);
 - two (or three) consumer warpgroups, 64 query rows each (under a causal mask with 64-key tiles the two take alternate
   halves of their query tiles, `swap_halves`: the lower half's rows see one key tile fewer, which its consumer skips, so
   each gets the lighter half every second tile), with their own online-softmax state (base 2, log2(e) folded into the
