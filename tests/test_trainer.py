@@ -13,11 +13,12 @@ from tests.utils import FAST, compose_cfg, losses_by_step, read_metrics, read_su
 
 
 def test_default_run_learns(tmp_path):
-    """The default job (tiny model, embedded corpus) through the real entrypoint: the loss falls >= 30%."""
-    proc = run_train(["train.max_steps=80", "train.eval_every=40"], tmp_path)
-    assert "step     80/80" in proc.stdout and "tok/s" in proc.stdout and "ETA" in proc.stdout  # progress line
+    """The default job (tiny model, embedded corpus) through the real entrypoint: the loss falls >= 30% (40 steps
+    take it to about half its first value, validation to 55% of a uniform guess's)."""
+    proc = run_train(["train.max_steps=40", "train.eval_every=20"], tmp_path)
+    assert "step     40/40" in proc.stdout and "tok/s" in proc.stdout and "ETA" in proc.stdout  # progress line
     s = read_summary(tmp_path)
-    assert s["status"] == "ok" and s["steps"] == 80
+    assert s["status"] == "ok" and s["steps"] == 40
     assert s["final_loss"] <= 0.7 * s["first_loss"], (s["first_loss"], s["final_loss"])
     assert s["final_val_loss"] < 0.7 * 5.545  # below 70% of ln(256), the loss of a uniform guess
     rows = read_metrics(tmp_path)
