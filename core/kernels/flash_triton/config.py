@@ -133,6 +133,15 @@ class FlashConfig:
                 return rows
         return None
 
+    def hopper_fwd_rows(self, d: int, is_causal: bool) -> tuple[int, int, int]:
+        """The Gluon forward's row thresholds at head dim d: (from how many query rows it runs, below how many its
+        short-row tiles serve a causal mask, from how many its long-row tiles serve)."""
+        if d != 64:
+            return 0, self.hopper_fwd_long_rows, self.hopper_fwd_long_rows
+        if is_causal:
+            return self.hopper_fwd_d64_min_rows, self.hopper_fwd_d64_short_rows, self.hopper_fwd_d64_long_rows
+        return 0, 0, self.hopper_fwd_d64_unmasked_long_rows
+
     def replace(self, **changes: Any) -> "FlashConfig":
         return dataclasses.replace(self, **changes)
 

@@ -131,15 +131,9 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
     block_d, tail_d = _TILE_D[d]
     split_len = _fwd_split_len(q.device, z * h, n_q, n_k, bm, bn, cfg) if block_d + tail_d <= 128 else 0
     # the Gluon forward on Hopper (`hopper_forward`), unless tiles pin the Triton one or the call is split
-    d64_causal = d == 64 and is_causal
-    min_rows = cfg.hopper_fwd_d64_min_rows if d64_causal else 0
+    min_rows, short_rows, long_rows = cfg.hopper_fwd_rows(d, is_causal)
     if not split_len and pinned is None and n_q >= min_rows and _hopper_fwd_ok(q, k, v, cfg):
         from core.kernels.flash_triton import hopper_forward
-        if d != 64:
-            short_rows = long_rows = cfg.hopper_fwd_long_rows
-        else:
-            short_rows = cfg.hopper_fwd_d64_short_rows
-            long_rows = cfg.hopper_fwd_d64_long_rows if is_causal else cfg.hopper_fwd_d64_unmasked_long_rows
         hopper_forward.launch_fwd(q, k, v, o, lse, is_causal, 1.0 / math.sqrt(d),
                                   hopper_forward.fwd_tiles(d, n_q, is_causal, short_rows, long_rows))
         return o, lse

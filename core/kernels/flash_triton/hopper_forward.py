@@ -716,7 +716,7 @@ def fwd_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
 def fwd_tiles(d: int, n_q: int, is_causal: bool, short_rows: int, long_rows: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, STAGES, Q_BUFS, consumers) for a forward of n_q query rows: `SHORT_TILES` under a causal mask below
     short_rows rows, `FWD_TILES` below long_rows rows, from there on `WIDE_TILES` where the head dim has them, else
-    `FWD_TILES` (the rows: `FlashConfig.hopper_fwd_long_rows`, at d = 64 its `hopper_fwd_d64_*` fields)."""
+    `FWD_TILES` (the rows: `FlashConfig.hopper_fwd_rows`)."""
     if is_causal and n_q < short_rows:
         return SHORT_TILES[d]
     if n_q < long_rows:
