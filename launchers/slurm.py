@@ -68,10 +68,18 @@ def export_slurm_env() -> bool:
 
 
 def requeue_current_job() -> None:
+    """Ask Slurm to requeue the job this task belongs to.
+
+    Slurm accepts the request and then signals every process of the job, `scontrol` itself included when
+    it has not exited yet: a `scontrol` ended by a signal means the requeue is under way, not that it failed.
+    """
     job = os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID")
     job_id = (f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job
               else os.environ["SLURM_JOB_ID"])
-    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
+    command = ["scontrol", "requeue", job_id]
+    done = subprocess.run(command, timeout=60)
+    if done.returncode > 0:
+        raise subprocess.CalledProcessError(done.returncode, command)
 
 
 def restart_count() -> int:

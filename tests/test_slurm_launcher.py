@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 import threading
 from pathlib import Path
 
@@ -126,6 +127,28 @@ def test_requeues_stop_at_max_num_timeout(restarts, limit, allowed, monkeypatch)
 
     monkeypatch.setenv("SLURM_RESTART_COUNT", str(restarts))
     assert may_requeue(limit) is allowed
+
+
+@pytest.mark.parametrize("script,raises", [
+    ('echo "$@" > "$LOG"', False),
+    ('echo "$@" > "$LOG"; kill -TERM $$', False),  # killed by the requeue it asked for: the requeue is under way
+    ('echo "$@" > "$LOG"; echo "Invalid job id" >&2; exit 1', True),
+])
+def test_requeue_calls_scontrol_and_a_signal_ending_it_is_not_a_failure(script, raises, tmp_path, monkeypatch):
+    from launchers.slurm import requeue_current_job
+
+    (tmp_path / "scontrol").write_text(f"#!/bin/sh\n{script}\n")
+    (tmp_path / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("LOG", str(tmp_path / "args"))
+    monkeypatch.setenv("SLURM_JOB_ID", "339")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    if raises:
+        with pytest.raises(subprocess.CalledProcessError):
+            requeue_current_job()
+    else:
+        requeue_current_job()
+    assert (tmp_path / "args").read_text().split() == ["requeue", "339"]
 
 
 # ---- resources ----------------------------------------------------------------------------------------
