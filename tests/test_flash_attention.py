@@ -1118,6 +1118,7 @@ for d in hf.HEAD_DIMS:
                           O_OWN=hf._o_own(d, block_n, stages, q_bufs, consumers),
                           PINGPONG=hf.pingpong(d, block_n, consumers), ONE_LOOP=hf.one_loop(block_n, consumers))
         constexprs["SWAP"] = hf.swap_halves(causal, block_n, consumers, constexprs["PINGPONG"])
+        constexprs["EXP_POLY"] = hf.exp2_poly(d, consumers)
         types = {"LSE": "*fp32"}
         for name in ("Q", "K", "V", "O", "Q_T", "K_T", "V_T", "O_T"):  # 4-D TMA descriptors made on the host
             rows = hf.HALF_M if name[0] in "QO" else block_n
@@ -1131,6 +1132,8 @@ for d in hf.HEAD_DIMS:
         assert ptx.count("cp.async.bulk.tensor.4d.global.shared") == consumers * (2 if d_tail else 1), d
         # the head dim's tail: its own wgmmas (N = the tail's width for O += P V)
         assert (f"m64n{d_tail}k16" in ptx) == bool(d_tail), d
+        # d = 64's two consumers: an eighth of the exponentials by polynomial (its rounding constant 1.5 * 2^23)
+        assert ("0f4B400000" in ptx) == constexprs["EXP_POLY"] == (d == 64 and consumers == 2), (d, tiles[d])
         # consumer warpgroups and a producer warpgroup, registers moved between them; within shared memory
         assert "setmaxnreg" in ptx and kernel.metadata.num_warps == 4 * (consumers + 1), d
         assert kernel.metadata.shared <= hf.SMEM_LIMIT, d
@@ -1351,6 +1354,23 @@ def test_gpu_gluon_fwd_swapped_halves_match(tiles, d, n_q, n_k):
     tiles = getattr(hf, tiles)[d] if isinstance(tiles, str) else tiles
     outs = _gluon_fwd_variants(d, n_q, n_k, True, 19, tiles, [dict(swap=True), dict(swap=False)])
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tiles", ["SHORT_TILES", "FWD_TILES"])
+@pytest.mark.parametrize("n_q,n_k,causal", [(600, 600, True), (334, 200, True), (200, 333, True),
+                                            (700, 515, False)])
+def test_gpu_gluon_fwd_polynomial_exponentials(tiles, n_q, n_k, causal):
+    """An eighth of the exponentials by polynomial (`exp2_poly`, d = 64's two consumers) against all by the
+    special-function unit: both within tolerance of float64, rows that see no key (exp2(-inf) exactly 0) included,
+    and within bf16 rounding of each other."""
+    from core.kernels.flash_triton import hopper_forward as hf
+    outs = _gluon_fwd_variants(64, n_q, n_k, causal, 21, getattr(hf, tiles)[64],
+                               [dict(exp_poly=True), dict(exp_poly=False)])
+    assert rel_err(outs[0][0], outs[1][0]) < 4e-3
+    seen = torch.isfinite(outs[1][1])
+    assert (outs[0][1][seen] - outs[1][1][seen]).abs().max() < 1e-3
 
 
 @gpu

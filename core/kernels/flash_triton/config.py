@@ -72,7 +72,7 @@ class FlashConfig:
     hopper_fwd_d64_min_rows: int = 512
     hopper_fwd_d64_short_rows: int = 1024
     hopper_fwd_d64_long_rows: int = 4096
-    hopper_fwd_d64_unmasked_long_rows: int = 512
+    hopper_fwd_d64_unmasked_long_rows: int = 1024
     split_kv: bool = True
     split_keys: int | None = None
     max_splits: int = 4

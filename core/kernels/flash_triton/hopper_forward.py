@@ -20,7 +20,8 @@ each, in three or four partitions (`gl.warp_specialize`):
   each gets the lighter half every second tile), with their own online-softmax state (base 2, log2(e) folded into the
   scale) and fp32 output accumulator in registers. Per key tile j a consumer issues S_j = Q K_j^T, then O += P_{j-1}
   V_{j-1} (P in registers as the wgmma A operand), waits for S_j only, computes the softmax of S_j while the PV matmul
-  runs, then waits for it, releases slot j-1 and rescales O: at most two wgmma groups in flight. A query tile's first
+  runs (at d = 64 with two consumers an eighth of its exponentials by polynomial on the FMA units, `exp2_poly`), then
+  waits for it, releases slot j-1 and rescales O: at most two wgmma groups in flight. A query tile's first
   key tile runs in that loop too, its PV a no-op (P = 0), where that pays (`one_loop`: one copy of the step's code
   fewer, which the instruction cache holds better), else it is peeled off the loop. The consumers run unsynchronised, so
   one's softmax also overlaps the others' matmuls; with two consumers and 128-key tiles at d = 80-128 (`pingpong`) they
@@ -106,8 +107,8 @@ SHORT_TILES = {64: (64, 11, 2, 2), 80: (64, 8, 2, 2), 96: (64, 6, 2, 2), 128: (6
 # ... for long rows, where three consumers pay: at d = 64 the exponentials bound a consumer (a 64 x 128 score
 # tile's 8192 exp2 take the SM's special-function units as long as its two wgmmas take the tensor cores), so a
 # third consumer's matmuls fill the others' softmax time: 0.90-0.95x the time of two from 8192 rows, causal or not,
-# level at 4096 with a causal mask; without it 0.85-0.93x at 1024-2048 rows, level at 512, where the 192-row tiles
-# leave a ragged end (FlashAttention-3 also runs three at d = 64).
+# level at 4096 with a causal mask; without it 0.89-0.97x at 1024-2048 rows (against two with `exp2_poly`), but
+# 1.04-1.05x at 512, where the 192-row tiles leave a ragged end (FlashAttention-3 also runs three at d = 64).
 # Q 24 + 5 x 32 + O 24 = 208 KB. At d = 80 and 96 three consumers with 64-key tiles (with 128-key ones their 160
 # registers spill, 0.3-0.8 KB a thread): 0.87-0.92x two consumers' time from 2048 rows, causal or not (at S = 512
 # 1.15-1.28x); d = 96, Q 36 + 6 x 24 + O 36 = 216 KB, d = 80, 30 + 6 x 20 + 30 = 180 KB. At d = 128 (4 stages) they
@@ -125,8 +126,41 @@ CONSUMER_REGS, PRODUCER_REGS = {2: 240, 3: 160}, 32
 PINGPONG_HEAD_DIMS = (80, 96, 128)
 SMEM_LIMIT = 232448  # bytes of shared memory a program may have on sm_90
 
+
+def _exp2_asm() -> str:
+    """PTX for exp2 of 8 values (inline asm, pack 8): seven by the special-function unit (MUFU.EX2, 16 a clock an SM,
+    against the FMA units' 128), the eighth by a polynomial on the FMA units. 2^x = 2^j 2^f: j = round(x) by the
+    1.5 * 2^23 trick (whose low bits are then j), f = x - j in [-0.5, 0.5], 2^f by a degree-3 minimax polynomial
+    (relative error 1.0e-4, under bf16's and fp16's half ulp), j added to its exponent bits. x is clamped at -127
+    first, so exp2(-inf) is exactly 0 (2^f = 1.0 has no mantissa bits)."""
+    lines = ["{", ".reg .f32 %xc, %t, %j, %f, %q;", ".reg .b32 %qb, %e;"]
+    lines += [f"ex2.approx.ftz.f32 ${i}, ${i + 8};" for i in range(7)]
+    lines += ["max.ftz.f32 %xc, $15, 0fC2FE0000;",  # -127
+              "add.rn.ftz.f32 %t, %xc, 0f4B400000;",  # + 1.5 * 2^23: round to an integer, kept in the low bits
+              "sub.rn.ftz.f32 %j, %t, 0f4B400000;",
+              "sub.rn.ftz.f32 %f, %xc, %j;",
+              "fma.rn.ftz.f32 %q, %f, 0f3D6150EE, 0f3E78061A;",  # 0.0550088, 0.2422108
+              "fma.rn.ftz.f32 %q, %q, %f, 0f3F317AFD;",  # 0.6932829
+              "fma.rn.ftz.f32 %q, %q, %f, 0f3F800000;",  # 1
+              "shl.b32 %e, %t, 23;",
+              "mov.b32 %qb, %q;",
+              "add.s32 $7, %qb, %e;", "}"]
+    return "\n".join(lines)
+
 if HAVE_GLUON:
     _HALF_M = gl.constexpr(HALF_M)
+    _EXP2_ASM = gl.constexpr(_exp2_asm())
+    _EXP2_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 8))
+
+    @gluon.jit
+    def _exp2(x, EXP_POLY: gl.constexpr):
+        """exp2 of a float32 tile; with EXP_POLY one element of each 8 by a polynomial on the FMA units
+        (`_exp2_asm`, `exp2_poly`)."""
+        if EXP_POLY:
+            return gl.inline_asm_elementwise(_EXP2_ASM, _EXP2_CONSTRAINTS, [x], dtype=gl.float32, is_pure=True,
+                                             pack=8)
+        else:
+            return gl.exp2(x)
 
     @gluon.jit
     def _rounds(n_units):
@@ -293,7 +327,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _softmax(s, m_i, l_i, offs_m, offs_n, n_k, causal_off, qk_scale, MASKED: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr):
+                 IS_CAUSAL: gl.constexpr, EXP_POLY: gl.constexpr):
         """One key tile's online-softmax update from raw scores s: (p, alpha, m, l), base 2; m in scaled units
         (max(s) * scale == max(s * scale) exactly, so the scale folds into the exponent's FMA)."""
         if MASKED:
@@ -306,7 +340,7 @@ if HAVE_GLUON:
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
         else:
             m_use = m_new
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+        p = _exp2(s * qk_scale - gl.expand_dims(m_use, 1), EXP_POLY)
         alpha = gl.exp2(m_i - m_use)
         l_i = l_i * alpha + gl.sum(p, 1)
         return p, alpha, m_new, l_i
@@ -354,7 +388,7 @@ if HAVE_GLUON:
                empty, o, ot, m_i, l_i, p_op, offs_m, offs_n0, n_k, causal_off, qk_scale, MASKED: gl.constexpr,
                IS_CAUSAL: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                mma_s: gl.constexpr, mma_o: gl.constexpr, mma_t: gl.constexpr, turn, g0, ROLE: gl.constexpr,
-               PINGPONG: gl.constexpr, ONE_LOOP: gl.constexpr):
+               PINGPONG: gl.constexpr, ONE_LOOP: gl.constexpr, EXP_POLY: gl.constexpr):
         """Key tiles [start, end) (ring slot `it` first): issue S_j, issue O += P_{j-1} V_{j-1}, wait for S_j,
         softmax of S_j under the PV matmul, wait for it, release slot j-1, rescale O. Returns P_j for the next.
         With PINGPONG the two matmuls are issued in turns with the other consumer (this one's group g0 + it).
@@ -384,13 +418,13 @@ if HAVE_GLUON:
             if ONE_LOOP:
                 if start_n >= mask_from:
                     p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, start_n + offs_n0, n_k, causal_off, qk_scale,
-                                                  True, IS_CAUSAL)
+                                                  True, IS_CAUSAL, EXP_POLY)
                 else:
                     p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, start_n + offs_n0, n_k, causal_off, qk_scale,
-                                                  False, IS_CAUSAL)
+                                                  False, IS_CAUSAL, EXP_POLY)
             else:
                 p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, start_n + offs_n0, n_k, causal_off, qk_scale,
-                                              MASKED, IS_CAUSAL)
+                                              MASKED, IS_CAUSAL, EXP_POLY)
             o, ot, p_op = _pv_wait(o, ot, p_op, D_TAIL)
             # (a first step's V slot is released after the tile's next PV has read it)
             mbarrier.arrive(empty.index(prev), count=1, pred=(start_n > 0) | (not ONE_LOOP))
@@ -406,7 +440,7 @@ if HAVE_GLUON:
                 n_k, causal_off, qk_scale, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, O_OWN: gl.constexpr, mma_s: gl.constexpr,
                 mma_o: gl.constexpr, mma_t: gl.constexpr, turn, g0, ROLE: gl.constexpr, PINGPONG: gl.constexpr,
-                ONE_LOOP: gl.constexpr):
+                ONE_LOOP: gl.constexpr, EXP_POLY: gl.constexpr):
         """Online softmax of the 64 rows from row0 over keys [0, hi) (at least one key tile), from ring slot `it`,
         with O_OWN releasing the Q block (q_empty) once the last S = Q K^T is done: (it after the last tile, O
         unnormalised (main part, tail), m, l). With PINGPONG each group of matmuls is issued in turn with the
@@ -431,7 +465,8 @@ if HAVE_GLUON:
             it, o, ot, m_i, l_i, p_op = _steps(it, 0, hi, full_hi, q_tile, qt_tile, k_smem, v_smem, kt_smem,
                                                vt_smem, k_ready, v_ready, empty, o, ot, m_i, l_i, p_op, offs_m,
                                                offs_n0, n_k, causal_off, qk_scale, False, IS_CAUSAL, D_TAIL, BLOCK_N,
-                                               STAGES, mma_s, mma_o, mma_t, turn, g0, ROLE, PINGPONG, ONE_LOOP)
+                                               STAGES, mma_s, mma_o, mma_t, turn, g0, ROLE, PINGPONG, ONE_LOOP,
+                                               EXP_POLY)
         else:
             # key tile 0, peeled off the loop (no PV matmul to overlap yet), masked
             stage = it % STAGES
@@ -441,18 +476,20 @@ if HAVE_GLUON:
             s = _scores(q_tile, qt_tile, stage, k_smem, kt_smem, zero_s, D_TAIL)
             _hand_over(turn, ROLE, PINGPONG)
             s = warpgroup_mma_wait(0, deps=[s])
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, offs_n0, n_k, causal_off, qk_scale, True, IS_CAUSAL)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, offs_n0, n_k, causal_off, qk_scale, True, IS_CAUSAL,
+                                          EXP_POLY)
             p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(0, mma_o, 2))
             it += 1
             it, o, ot, m_i, l_i, p_op = _steps(it, BLOCK_N, full_hi, 0, q_tile, qt_tile, k_smem, v_smem, kt_smem,
                                                vt_smem, k_ready, v_ready, empty, o, ot, m_i, l_i, p_op, offs_m,
                                                offs_n0, n_k, causal_off, qk_scale, False, IS_CAUSAL, D_TAIL, BLOCK_N,
-                                               STAGES, mma_s, mma_o, mma_t, turn, g0, ROLE, PINGPONG, ONE_LOOP)
+                                               STAGES, mma_s, mma_o, mma_t, turn, g0, ROLE, PINGPONG, ONE_LOOP,
+                                               EXP_POLY)
             it, o, ot, m_i, l_i, p_op = _steps(it, gl.maximum(full_hi, BLOCK_N), hi, 0, q_tile, qt_tile, k_smem,
                                                v_smem, kt_smem, vt_smem, k_ready, v_ready, empty, o, ot, m_i, l_i,
                                                p_op, offs_m, offs_n0, n_k, causal_off, qk_scale, True, IS_CAUSAL,
                                                D_TAIL, BLOCK_N, STAGES, mma_s, mma_o, mma_t, turn, g0, ROLE, PINGPONG,
-                                               ONE_LOOP)
+                                               ONE_LOOP, EXP_POLY)
         if O_OWN:  # the producer may load the next tile's Q while the last PV runs
             mbarrier.arrive(q_empty, count=1)
         # the last key tile's PV
@@ -500,7 +537,7 @@ if HAVE_GLUON:
                   IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr,
                   D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
                   O_OWN: gl.constexpr, NUM_CONS: gl.constexpr, PINGPONG: gl.constexpr, ONE_LOOP: gl.constexpr,
-                  SWAP: gl.constexpr):
+                  SWAP: gl.constexpr, EXP_POLY: gl.constexpr):
         """Rows ROLE * 64 ... of each of the program's query tiles: attention over the tile's key tiles, then O
         (by TMA, from this warpgroup's O buffer with O_OWN, else from the tile's Q buffer) and the LSE stored."""
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -547,7 +584,7 @@ if HAVE_GLUON:
                                               q_empty.index(qb), k_smem, v_smem, kt_smem, vt_smem, k_ready,
                                               v_ready, empty, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN,
                                               D_TAIL, BLOCK_N, STAGES, O_OWN, mma_s, mma_o, mma_t, turn,
-                                              n_seen, ROLE, PINGPONG, ONE_LOOP)
+                                              n_seen, ROLE, PINGPONG, ONE_LOOP, EXP_POLY)
                 n_seen += 1
             else:  # rows past n_q, or causal with n_q > n_k + the rows: no key visible
                 if O_OWN:
@@ -592,7 +629,8 @@ if HAVE_GLUON:
                        IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, Q_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, O_OWN: gl.constexpr,
-                       NUM_CONS: gl.constexpr, PINGPONG: gl.constexpr, ONE_LOOP: gl.constexpr, SWAP: gl.constexpr):
+                       NUM_CONS: gl.constexpr, PINGPONG: gl.constexpr, ONE_LOOP: gl.constexpr, SWAP: gl.constexpr,
+                       EXP_POLY: gl.constexpr):
         gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
         gl.static_assert(NUM_CONS == 2 or not PINGPONG, "ping-pong turns are between two consumers")
         gl.static_assert(not (SWAP and PINGPONG), "ping-pong turns count equal matmul groups a consumer")
@@ -657,15 +695,15 @@ if HAVE_GLUON:
                 (_consumer, (0, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
                              q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off,
                              qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
-                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP, SWAP)),
+                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP, SWAP, EXP_POLY)),
                 (_consumer, (1, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
                              q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off,
                              qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
-                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP, SWAP)),
+                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP, SWAP, EXP_POLY)),
                 (_consumer, (2, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
                              q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off,
                              qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
-                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP, SWAP)),
+                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP, SWAP, EXP_POLY)),
                 (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
                              q_empty, k_ready, v_ready, empty, info, n_units, n_pairs, n_tiles, n_zh, n_heads,
                              kv_group, n_k, causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, NUM_CONS,
@@ -676,11 +714,11 @@ if HAVE_GLUON:
                 (_consumer, (0, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
                              q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off,
                              qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
-                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP, SWAP)),
+                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP, SWAP, EXP_POLY)),
                 (_consumer, (1, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
                              q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off,
                              qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
-                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP, SWAP)),
+                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP, SWAP, EXP_POLY)),
                 (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
                              q_empty, k_ready, v_ready, empty, info, n_units, n_pairs, n_tiles, n_zh, n_heads,
                              kv_group, n_k, causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, NUM_CONS,
@@ -744,6 +782,15 @@ def producer_warps(block_n: int) -> int:
     return 1 if block_n == 64 else 4
 
 
+def exp2_poly(d: int, consumers: int) -> bool:
+    """Whether the consumers compute one exponential of each 8 by a polynomial on the FMA units (`_exp2`): at d = 64
+    with two consumers, whose exponentials take the special-function units as long as their matmuls take the
+    tensor cores (0.95x the time at (32, 16, 2048) causal, 0.99x at (128, 16, 512)). Not with three consumers,
+    whose instruction issue, not the special-function units, bounds them (1.06-1.15x), nor at d = 128 (level) or
+    with d = 80's three consumers (1.02x); two or four of each 8 took longer everywhere (1.0-1.3x)."""
+    return d == 64 and consumers == 2
+
+
 def one_loop(block_n: int, consumers: int) -> bool:
     """Whether the consumers run a query tile's first key tile in the loop with the others (`_attend`'s ONE_LOOP),
     not peeled off it. A consumer's code then holds two copies of a step's softmax (full and masked tiles), not
@@ -758,13 +805,15 @@ def one_loop(block_n: int, consumers: int) -> bool:
 
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, sm_scale: float,
                tiles: tuple[int, int, int, int] | None = None, turns: bool | None = None,
-               first_in_loop: bool | None = None, swap: bool | None = None, warps: int | None = None) -> None:
+               first_in_loop: bool | None = None, swap: bool | None = None, warps: int | None = None,
+               exp_poly: bool | None = None) -> None:
     """O (preallocated like q, or at any strides a TMA descriptor takes: unit last, 16-byte aligned base and
     others) and lse ((Z, H, N_q) fp32, contiguous) of attention on 4-D (Z, H, N, d) q, k, v (k, v: H / kv_group
     heads), where `fwd_applies`; tiles: (BLOCK_N, STAGES, Q_BUFS, consumers), `FWD_TILES`' by default; turns:
     ping-pong between two consumers, by default where `pingpong`; first_in_loop: a query tile's first key tile in
     the loop, by default where `one_loop`; swap: two consumers on alternate halves, by default where
-    `swap_halves`; warps: the producer's, by default `producer_warps`."""
+    `swap_halves`; warps: the producer's, by default `producer_warps`; exp_poly: an eighth of the exponentials by
+    polynomial, by default where `exp2_poly`."""
     z, h, n_q, d = q.shape
     n_k = k.shape[2]
     d_main, d_tail = common._TILE_D[d]
@@ -787,4 +836,5 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causa
         SWAP=swap_halves(is_causal, block_n, consumers, turns_on) if swap is None else swap,
         CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
         PRODUCER_WARPS=producer_warps(block_n) if warps is None else warps,
+        EXP_POLY=exp2_poly(d, consumers) if exp_poly is None else exp_poly,
         num_warps=4)
