@@ -147,6 +147,7 @@ def _exp2_asm() -> str:
               "add.s32 $7, %qb, %e;", "}"]
     return "\n".join(lines)
 
+
 if HAVE_GLUON:
     _HALF_M = gl.constexpr(HALF_M)
     _EXP2_ASM = gl.constexpr(_exp2_asm())
