@@ -1111,14 +1111,7 @@ for d in hf.HEAD_DIMS:
         if d not in tiles:
             continue
         block_n, stages, q_bufs, consumers = tiles[d]
-        constexprs = dict(IS_CAUSAL=causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, STAGES=stages,
-                          Q_BUFS=q_bufs, NUM_CONS=consumers,
-                          CONSUMER_REGS=hf.CONSUMER_REGS[consumers], PRODUCER_REGS=hf.PRODUCER_REGS,
-                          PRODUCER_WARPS=hf.producer_warps(block_n),
-                          O_OWN=hf._o_own(d, block_n, stages, q_bufs, consumers),
-                          PINGPONG=hf.pingpong(d, block_n, consumers), ONE_LOOP=hf.one_loop(block_n, consumers))
-        constexprs["SWAP"] = hf.swap_halves(causal, block_n, consumers, constexprs["PINGPONG"])
-        constexprs["EXP_POLY"] = hf.exp2_poly(d, consumers)
+        constexprs = hf.fwd_constexprs(d, causal, tiles[d])  # what `launch_fwd` compiles
         types = {"LSE": "*fp32"}
         for name in ("Q", "K", "V", "O", "Q_T", "K_T", "V_T", "O_T"):  # 4-D TMA descriptors made on the host
             rows = hf.HALF_M if name[0] in "QO" else block_n

@@ -804,6 +804,26 @@ def one_loop(block_n: int, consumers: int) -> bool:
     return not (consumers == 3 and block_n == 64)
 
 
+def fwd_constexprs(d: int, is_causal: bool, tiles: tuple[int, int, int, int], turns: bool | None = None,
+                   first_in_loop: bool | None = None, swap: bool | None = None, warps: int | None = None,
+                   exp_poly: bool | None = None) -> dict:
+    """`_fwd_ws_kernel`'s compile-time parameters for head dim d and tiles (BLOCK_N, STAGES, Q_BUFS, consumers):
+    the policies' choices (`pingpong`, `one_loop`, `swap_halves`, `producer_warps`, `exp2_poly`) where an argument
+    does not override them (`launch_fwd`)."""
+    d_main, d_tail = common._TILE_D[d]
+    block_n, stages, q_bufs, consumers = tiles
+    turns_on = pingpong(d, block_n, consumers) if turns is None else turns
+    return dict(
+        IS_CAUSAL=is_causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, STAGES=stages, Q_BUFS=q_bufs,
+        O_OWN=_o_own(d, block_n, stages, q_bufs, consumers), NUM_CONS=consumers,
+        PINGPONG=turns_on,
+        ONE_LOOP=one_loop(block_n, consumers) if first_in_loop is None else first_in_loop,
+        SWAP=swap_halves(is_causal, block_n, consumers, turns_on) if swap is None else swap,
+        CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
+        PRODUCER_WARPS=producer_warps(block_n) if warps is None else warps,
+        EXP_POLY=exp2_poly(d, consumers) if exp_poly is None else exp_poly)
+
+
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, sm_scale: float,
                tiles: tuple[int, int, int, int] | None = None, turns: bool | None = None,
                first_in_loop: bool | None = None, swap: bool | None = None, warps: int | None = None,
@@ -818,7 +838,8 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causa
     z, h, n_q, d = q.shape
     n_k = k.shape[2]
     d_main, d_tail = common._TILE_D[d]
-    block_n, stages, q_bufs, consumers = tiles or FWD_TILES[d]
+    tiles = tiles or FWD_TILES[d]
+    block_n, consumers = tiles[0], tiles[3]
     causal_off = n_k - n_q if is_causal else 0
     boxes = ((q, HALF_M), (k, block_n), (v, block_n), (o, HALF_M))  # (tensor, rows a load or store takes)
     # descriptors of the head dim's main part and tail, made on the host (in every program they cost 20-25% at
@@ -827,15 +848,6 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causa
     # persistent: a program an SM (their shared memory allows no second); on a grid of fewer than half as many
     # pairs of query tiles, a tile a program (`_tile`)
     n_units = _cdiv(z * h * _cdiv(n_q, consumers * HALF_M), 2)  # the kernel's work units (`_tile`): half the tiles
-    turns_on = pingpong(d, block_n, consumers) if turns is None else turns
     _fwd_ws_kernel[(min(2 * n_units, launch._sm_count(q.device)),)](
         *descs, *tails, lse, h, h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E, z * h,
-        IS_CAUSAL=is_causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, STAGES=stages, Q_BUFS=q_bufs,
-        O_OWN=_o_own(d, block_n, stages, q_bufs, consumers), NUM_CONS=consumers,
-        PINGPONG=turns_on,
-        ONE_LOOP=one_loop(block_n, consumers) if first_in_loop is None else first_in_loop,
-        SWAP=swap_halves(is_causal, block_n, consumers, turns_on) if swap is None else swap,
-        CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
-        PRODUCER_WARPS=producer_warps(block_n) if warps is None else warps,
-        EXP_POLY=exp2_poly(d, consumers) if exp_poly is None else exp_poly,
-        num_warps=4)
+        **fwd_constexprs(d, is_causal, tiles, turns, first_in_loop, swap, warps, exp_poly), num_warps=4)
