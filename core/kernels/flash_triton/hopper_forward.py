@@ -332,9 +332,12 @@ if HAVE_GLUON:
         """One key tile's online-softmax update from raw scores s: (p, alpha, m, l), base 2; m in scaled units
         (max(s) * scale == max(s * scale) exactly, so the scale folds into the exponent's FMA)."""
         if MASKED:
-            valid = gl.expand_dims(offs_n, 0) < n_k
             if IS_CAUSAL:
-                valid = valid & (gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m, 1) + causal_off)
+                # A row's last visible key, once per row: one comparison an element instead of two.
+                last = gl.minimum(offs_m + causal_off, n_k - 1)
+                valid = gl.expand_dims(offs_n, 0) <= gl.expand_dims(last, 1)
+            else:
+                valid = gl.expand_dims(offs_n, 0) < n_k
             s = gl.where(valid, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         if MASKED:
