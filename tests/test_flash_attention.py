@@ -1125,8 +1125,10 @@ for d in hf.HEAD_DIMS:
         assert ptx.count("cp.async.bulk.tensor.4d.global.shared") == consumers * (2 if d_tail else 1), d
         # the head dim's tail: its own wgmmas (N = the tail's width for O += P V)
         assert (f"m64n{d_tail}k16" in ptx) == bool(d_tail), d
-        # d = 64's two consumers: an eighth of the exponentials by polynomial (its rounding constant 1.5 * 2^23)
-        assert ("0f4B400000" in ptx) == constexprs["EXP_POLY"] == (d == 64 and consumers == 2), (d, tiles[d])
+        # d = 64's two consumers over 128-key tiles: an eighth of the exponentials by polynomial (its rounding
+        # constant 1.5 * 2^23)
+        assert ("0f4B400000" in ptx) == constexprs["EXP_POLY"] == (d == 64 and block_n == 128 and consumers == 2), \
+            (d, tiles[d])
         # consumer warpgroups and a producer warpgroup, registers moved between them; within shared memory
         assert "setmaxnreg" in ptx and kernel.metadata.num_warps == 4 * (consumers + 1), d
         assert kernel.metadata.shared <= hf.SMEM_LIMIT, d
@@ -1355,9 +1357,9 @@ def test_gpu_gluon_fwd_swapped_halves_match(tiles, d, n_q, n_k):
 @pytest.mark.parametrize("n_q,n_k,causal", [(600, 600, True), (334, 200, True), (200, 333, True),
                                             (700, 515, False)])
 def test_gpu_gluon_fwd_polynomial_exponentials(tiles, n_q, n_k, causal):
-    """An eighth of the exponentials by polynomial (`exp2_poly`, d = 64's two consumers) against all by the
-    special-function unit: both within tolerance of float64, rows that see no key (exp2(-inf) exactly 0) included,
-    and within bf16 rounding of each other."""
+    """An eighth of the exponentials by polynomial (`exp2_poly`: d = 64's two consumers over 128-key tiles; forced
+    on over the 64-key ones too) against all by the special-function unit: both within tolerance of float64, rows
+    that see no key (exp2(-inf) exactly 0) included, and within bf16 rounding of each other."""
     from core.kernels.flash_triton import hopper_forward as hf
     outs = _gluon_fwd_variants(64, n_q, n_k, causal, 21, getattr(hf, tiles)[64],
                                [dict(exp_poly=True), dict(exp_poly=False)])

@@ -20,9 +20,9 @@ each, in three or four partitions (`gl.warp_specialize`):
   each gets the lighter half every second tile), with their own online-softmax state (base 2, log2(e) folded into the
   scale) and fp32 output accumulator in registers. Per key tile j a consumer issues S_j = Q K_j^T, then O += P_{j-1}
   V_{j-1} (P in registers as the wgmma A operand), waits for S_j only, computes the softmax of S_j while the PV matmul
-  runs (at d = 64 with two consumers an eighth of its exponentials by polynomial on the FMA units, `exp2_poly`), then
-  waits for it, releases slot j-1 and rescales O: at most two wgmma groups in flight. A query tile's first
-  key tile runs in that loop too, its PV a no-op (P = 0), where that pays (`one_loop`: one copy of the step's code
+  runs (at d = 64 with two consumers over 128-key tiles an eighth of its exponentials by polynomial on the FMA units,
+  `exp2_poly`), then waits for it, releases slot j-1 and rescales O: at most two wgmma groups in flight. A query tile's
+  first key tile runs in that loop too, its PV a no-op (P = 0), where that pays (`one_loop`: one copy of the step's code
   fewer, which the instruction cache holds better), else it is peeled off the loop. The consumers run unsynchronised, so
   one's softmax also overlaps the others' matmuls; with two consumers and 128-key tiles at d = 80-128 (`pingpong`) they
   issue their matmul groups in turns (FlashAttention-3's ping-pong: an mbarrier a consumer, handed over once its group
@@ -102,8 +102,8 @@ FWD_TILES = {64: (128, 5, 2, 2), 80: (128, 4, 1, 2), 96: (128, 3, 2, 2), 128: (1
 # S = 512-1024 at d = 80-128 (before the swap; 1.05-1.22x from 8192), at d = 64 0.93x at 512 rows, 1.04x at 1024 (its
 # 64-key steps are short for their exponentials). The swap: 0.91-0.96x fixed halves' time at S = 512-1024.
 # d = 128, 2 x 32 + 4 x 32 + O 32 = 224 KB; d = 96, 2 x 24 + 6 x 24 + 24 = 216 KB; d = 80, 2 x 20 + 8 x 20 + 20 =
-# 220 KB; d = 64, 2 x 16 + 11 x 16 + 16 = 224 KB
-SHORT_TILES = {64: (64, 11, 2, 2), 80: (64, 8, 2, 2), 96: (64, 6, 2, 2), 128: (64, 4, 2, 2)}
+# 220 KB; d = 64, 2 x 16 + 8 x 16 + 16 = 176 KB (eight stages took 0.98-0.99x eleven's time at 512 rows)
+SHORT_TILES = {64: (64, 8, 2, 2), 80: (64, 8, 2, 2), 96: (64, 6, 2, 2), 128: (64, 4, 2, 2)}
 # ... for long rows, where three consumers pay: at d = 64 the exponentials bound a consumer (a 64 x 128 score
 # tile's 8192 exp2 take the SM's special-function units as long as its two wgmmas take the tensor cores), so a
 # third consumer's matmuls fill the others' softmax time: 0.90-0.95x the time of two from 8192 rows, causal or not,
@@ -327,18 +327,21 @@ if HAVE_GLUON:
             mbarrier.arrive(q_ready.index(qb + c), count=1)
 
     @gluon.jit
-    def _softmax(s, m_i, l_i, offs_m, offs_n, n_k, causal_off, qk_scale, MASKED: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, EXP_POLY: gl.constexpr):
-        """One key tile's online-softmax update from raw scores s: (p, alpha, m, l), base 2; m in scaled units
-        (max(s) * scale == max(s * scale) exactly, so the scale folds into the exponent's FMA)."""
-        if MASKED:
-            if IS_CAUSAL:
-                # A row's last visible key, once per row: one comparison an element instead of two.
-                last = gl.minimum(offs_m + causal_off, n_k - 1)
-                valid = gl.expand_dims(offs_n, 0) <= gl.expand_dims(last, 1)
-            else:
-                valid = gl.expand_dims(offs_n, 0) < n_k
-            s = gl.where(valid, s, float("-inf"))
+    def _mask(s, offs_m, offs_n, n_k, causal_off, IS_CAUSAL: gl.constexpr):
+        """Scores of keys past n_k, and under the causal mask of keys past a row's last visible one, set to -inf."""
+        if IS_CAUSAL:
+            # a row's last visible key, once per row: one comparison an element instead of two
+            last = gl.minimum(offs_m + causal_off, n_k - 1)
+            valid = gl.expand_dims(offs_n, 0) <= gl.expand_dims(last, 1)
+        else:
+            valid = gl.expand_dims(offs_n, 0) < n_k
+        return gl.where(valid, s, float("-inf"))
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, qk_scale, MASKED: gl.constexpr, EXP_POLY: gl.constexpr):
+        """One key tile's online-softmax update from scores s (masked with MASKED: rows may have no key yet):
+        (p, alpha, m, l), base 2; m in scaled units (max(s) * scale == max(s * scale) exactly, so the scale folds into
+        the exponent's FMA)."""
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         if MASKED:
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -420,15 +423,15 @@ if HAVE_GLUON:
             _hand_over(turn, ROLE, PINGPONG)
             s = warpgroup_mma_wait(PV_GROUPS, deps=[s])
             if ONE_LOOP:
+                # only the mask is branched on: one copy of the softmax's code, not a masked and a full one, which
+                # the instruction cache holds better
                 if start_n >= mask_from:
-                    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, start_n + offs_n0, n_k, causal_off, qk_scale,
-                                                  True, IS_CAUSAL, EXP_POLY)
-                else:
-                    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, start_n + offs_n0, n_k, causal_off, qk_scale,
-                                                  False, IS_CAUSAL, EXP_POLY)
+                    s = _mask(s, offs_m, start_n + offs_n0, n_k, causal_off, IS_CAUSAL)
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, True, EXP_POLY)
             else:
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, start_n + offs_n0, n_k, causal_off, qk_scale,
-                                              MASKED, IS_CAUSAL, EXP_POLY)
+                if MASKED:
+                    s = _mask(s, offs_m, start_n + offs_n0, n_k, causal_off, IS_CAUSAL)
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, MASKED, EXP_POLY)
             o, ot, p_op = _pv_wait(o, ot, p_op, D_TAIL)
             # (a first step's V slot is released after the tile's next PV has read it)
             mbarrier.arrive(empty.index(prev), count=1, pred=(start_n > 0) | (not ONE_LOOP))
@@ -480,8 +483,8 @@ if HAVE_GLUON:
             s = _scores(q_tile, qt_tile, stage, k_smem, kt_smem, zero_s, D_TAIL)
             _hand_over(turn, ROLE, PINGPONG)
             s = warpgroup_mma_wait(0, deps=[s])
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, offs_m, offs_n0, n_k, causal_off, qk_scale, True, IS_CAUSAL,
-                                          EXP_POLY)
+            s = _mask(s, offs_m, offs_n0, n_k, causal_off, IS_CAUSAL)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, True, EXP_POLY)
             p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(0, mma_o, 2))
             it += 1
             it, o, ot, m_i, l_i, p_op = _steps(it, BLOCK_N, full_hi, 0, q_tile, qt_tile, k_smem, v_smem, kt_smem,
@@ -786,13 +789,15 @@ def producer_warps(block_n: int) -> int:
     return 1 if block_n == 64 else 4
 
 
-def exp2_poly(d: int, consumers: int) -> bool:
+def exp2_poly(d: int, block_n: int, consumers: int) -> bool:
     """Whether the consumers compute one exponential of each 8 by a polynomial on the FMA units (`_exp2`): at d = 64
-    with two consumers, whose exponentials take the special-function units as long as their matmuls take the
-    tensor cores (0.95x the time at (32, 16, 2048) causal, 0.99x at (128, 16, 512)). Not with three consumers,
-    whose instruction issue, not the special-function units, bounds them (1.06-1.15x), nor at d = 128 (level) or
-    with d = 80's three consumers (1.02x); two or four of each 8 took longer everywhere (1.0-1.3x)."""
-    return d == 64 and consumers == 2
+    with two consumers over 128-key tiles, whose exponentials take the special-function units as long as their
+    matmuls take the tensor cores (0.95-0.98x the time at (32, 16, 2048) causal, 0.99x at (8, 16, 2048) causal and
+    (128, 16, 512) without the mask, level at (64, 16, 1024) causal). Not over the 64-key short-row tiles
+    (1.01-1.03x at 512 rows causal), with three consumers, whose instruction issue, not the special-function units,
+    bounds them (1.06-1.15x), nor at d = 128 (level) or with d = 80's three consumers (1.02x); two or four of each 8
+    took longer everywhere (1.0-1.3x)."""
+    return d == 64 and block_n == 128 and consumers == 2
 
 
 def one_loop(block_n: int, consumers: int) -> bool:
@@ -824,7 +829,7 @@ def fwd_constexprs(d: int, is_causal: bool, tiles: tuple[int, int, int, int], tu
         SWAP=swap_halves(is_causal, block_n, consumers, turns_on) if swap is None else swap,
         CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
         PRODUCER_WARPS=producer_warps(block_n) if warps is None else warps,
-        EXP_POLY=exp2_poly(d, consumers) if exp_poly is None else exp_poly)
+        EXP_POLY=exp2_poly(d, block_n, consumers) if exp_poly is None else exp_poly)
 
 
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, sm_scale: float,
