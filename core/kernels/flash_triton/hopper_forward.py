@@ -802,13 +802,14 @@ def exp2_poly(d: int, block_n: int, consumers: int) -> bool:
 
 def one_loop(block_n: int, consumers: int) -> bool:
     """Whether the consumers run a query tile's first key tile in the loop with the others (`_attend`'s ONE_LOOP),
-    not peeled off it. A consumer's code then holds two copies of a step's softmax (full and masked tiles), not
-    three, 20-35% fewer instructions, which the instruction cache holds better (with the peel, ncu counted 12-19% of
-    the warps' stall samples waiting for instructions; 4% with the loop at (128, 16, 512, 128)). Against the peel
-    (H100, one process): 0.89-0.94x the time at S = 512 (64-key tiles, d = 64 to 128), 0.95x / 0.78x at 2048 rows
-    with d = 64's two / three consumers, 0.93x at 8192, 0.97-0.98x with d = 128's 128-key tiles. Not for three
-    consumers over 64-key tiles (d = 80 and 96 from `hopper_fwd_long_rows` rows), which took 1.05-1.07x their
-    time."""
+    not peeled off it. A consumer's code then holds one copy of a step's softmax, only the mask behind the loop's
+    branch (`_steps`), not three (the peeled tile, the full and the masked tiles): about 40% fewer instructions,
+    which the instruction cache holds better (with the peel, ncu counted 12-19% of the warps' stall samples waiting
+    for instructions; 4% with a loop of two copies at (128, 16, 512, 128)). Against the peel, measured with two
+    copies in the loop, a masked and a full one (H100, one process; one copy took 0.94-0.99x two's time): 0.89-0.94x
+    the time at S = 512 (64-key tiles, d = 64 to 128), 0.95x / 0.78x at 2048 rows with d = 64's two / three
+    consumers, 0.93x at 8192, 0.97-0.98x with d = 128's 128-key tiles. Not for three consumers over 64-key tiles
+    (d = 80 and 96 from `hopper_fwd_long_rows` rows), which took 1.05-1.07x their time."""
     return not (consumers == 3 and block_n == 64)
 
 
