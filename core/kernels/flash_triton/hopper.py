@@ -702,6 +702,6 @@ def launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_sc
     strides = tuple(s for t in (k, v, dk, dv) for s in t.stride()[:3])
     scalars = (h, h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale)
     # two warpgroups of 64 keys per program, head by head
-    _bwd_ws_kernel[(z * h * _cdiv(n_k, WS_KEYS),)](
-        *ws_descs(q, do, stats, dq_acc), k, v, dk, dv, *strides, *scalars, IS_CAUSAL=is_causal,
-        **ws_constexprs(d), num_warps=4)
+    launch._run(_bwd_ws_kernel, (z * h * _cdiv(n_k, WS_KEYS),),
+                (*ws_descs(q, do, stats, dq_acc), k, v, dk, dv, *strides, *scalars), 11, IS_CAUSAL=is_causal,
+                **ws_constexprs(d), num_warps=4)

@@ -857,6 +857,6 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causa
     # persistent: a program an SM (their shared memory allows no second); on a grid of fewer than half as many
     # pairs of query tiles, a tile a program (`_tile`)
     n_units = _cdiv(z * h * _cdiv(n_q, consumers * HALF_M), 2)  # the kernel's work units (`_tile`): half the tiles
-    _fwd_ws_kernel[(min(2 * n_units, launch._sm_count(q.device)),)](
-        *descs, *tails, lse, h, h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E, z * h,
-        **fwd_constexprs(d, is_causal, tiles, turns, first_in_loop, swap, warps, exp_poly), num_warps=4)
+    launch._run(_fwd_ws_kernel, (min(2 * n_units, launch._sm_count(q.device)),),
+                (*descs, *tails, lse, h, h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E, z * h), 9,
+                **fwd_constexprs(d, is_causal, tiles, turns, first_in_loop, swap, warps, exp_poly), num_warps=4)

@@ -67,9 +67,10 @@ def _launch(name: str, tuned, raw, zh: int, n_rows: int, args: tuple,
 # compiled kernel up on every call: 27 us of host time per launch on the H100 VM's CPU, against 8.5 us for the
 # compiled kernel's own launcher, and a forward+backward makes 2-4 launches. `_run`
 # keeps the compiled kernel per launch signature and calls its launcher directly. Triton specializes a kernel
-# on its constexprs and options, on the value class of each integer (1, multiple of 16, int32 or int64) and
-# on each pointer's dtype and 16-byte alignment; the key holds the integers' values themselves and each
-# pointer's dtype and alignment, so a hit launches the kernel JITFunction.run would have picked.
+# on its constexprs and options, on the value class of each integer (1, multiple of 16, int32 or int64), on
+# each pointer's dtype and 16-byte alignment and on each TMA descriptor's dtype, box and shared-memory layout;
+# the key holds the integers' values themselves and those of each pointer and descriptor (`_arg_key`), so a hit
+# launches the kernel JITFunction.run would have picked.
 # A Triton whose launcher takes other arguments makes the first direct launch fail: from then on this process
 # launches through JITFunction.run (`_direct_ok`, a capability found at run time, not a setting).
 _direct_ok = True
@@ -86,17 +87,26 @@ else:
         return torch.cuda.current_stream(device).cuda_stream
 
 
+def _arg_key(arg) -> tuple:
+    """What Triton specializes a kernel on for a tensor argument (its dtype, and whether its address is 16-byte
+    aligned) or a host TMA descriptor (its tensor's dtype, its box and its shared-memory layout)."""
+    if isinstance(arg, Tensor):
+        return arg.dtype, arg.data_ptr() & 15 == 0
+    return arg.base.dtype, tuple(arg.block_shape), arg.layout
+
+
 def _run(raw, grid: tuple, args: tuple, n_tensors: int, **meta) -> None:
-    """`raw[grid](*args, **meta)`; the first n_tensors arguments are tensors, the rest Python scalars."""
+    """`raw[grid](*args, **meta)`; the first n_tensors arguments are tensors or TMA descriptors, the rest Python
+    scalars."""
     global _direct_ok
     if not _direct_ok or common.INTERPRET:
         raw.run(*args, grid=grid, warmup=False, **meta)
         return
     # every pointer's dtype and alignment (the split-KV merge takes fp32 partials and writes O in the inputs'
     # dtype: one dtype per launch would confuse its fp32 and bf16 variants)
-    pointers = tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in args[:n_tensors]])
+    leading = tuple([_arg_key(t) for t in args[:n_tensors]])
     device = _current_device()  # where JITFunction.run launches too
-    key = (raw, device, pointers, args[n_tensors:], *meta.values())
+    key = (raw, device, leading, args[n_tensors:], *meta.values())
     hit = _LAUNCHERS.get(key)
     if hit is None:
         kernel = raw.run(*args, grid=grid, warmup=False, **meta)  # compiles, or finds the compiled kernel
