@@ -54,7 +54,7 @@ def _part_rows(ft, q, k, v, g) -> list:
     from core.kernels.flash_triton import common, forward, tuning
     so = o.stride()
     fwd_args = (qd, kd, vd, o, lse, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
-                h, n, n, 0, common.LOG2E / d ** 0.5, tuning._seq_class(n, z * h))
+                h, 1, n, n, 0, common.LOG2E / d ** 0.5, tuning._seq_class(n, z * h))
     block_d, tail_d = common._TILE_D[d]
     meta = dict(IS_CAUSAL=True, HEAD_DIM=d, BLOCK_D=block_d, TAIL_D=tail_d, BLOCK_M=64, BLOCK_N=64, num_warps=4,
                 num_stages=3)
@@ -76,6 +76,10 @@ def _part_rows(ft, q, k, v, g) -> list:
         rows.append(("parts: binder alone", "fwd+bwd", lambda: binder(*fwd_args, **meta)))
     except Exception as e:  # noqa: BLE001 - internals differ between Triton versions
         print(f"direct launch not timed: {type(e).__name__}: {e}")
+    from core.kernels.flash_triton import hopper_forward
+    if hopper_forward.fwd_applies(qd, kd, vd):  # the forward flash_fwd_impl runs here: the Gluon kernel's launch
+        rows.append(("parts: Gluon forward launch (launch_fwd)", "fwd+bwd",
+                     lambda: hopper_forward.launch_fwd(qd, kd, vd, o, lse, True, d ** -0.5)))
     rows += [("parts: flash_fwd_impl", "fwd+bwd", lambda: ft.flash_fwd_impl(qd, kd, vd, True)),
              ("parts: flash_bwd_impl fused", "fwd+bwd", lambda: ft.flash_bwd_impl(g, qd, kd, vd, o, lse, True, 2)),
              ("parts: flash_bwd_impl two-pass", "fwd+bwd",
