@@ -728,6 +728,49 @@ def test_direct_launch_cache_matches_triton_specialization(monkeypatch):
     assert direct[9:11] == (x, y) and direct[11:] == (5, 0.5, 1, 2)  # constexprs A, B after the runtime args
 
 
+@needs_triton
+def test_direct_launch_cache_keys_tma_descriptors(monkeypatch):
+    """For host TMA descriptors (the Gluon kernels' arguments) `_run` keys what Triton specializes on, the tensor's
+    dtype, the box and the shared-memory layout, not the tensor's shape or strides: a descriptor over another
+    tensor of another shape launches directly, another box, layout or dtype goes through JITFunction.run."""
+    from core.kernels.flash_triton import hopper
+    if not hopper.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = "fn", (4, 1, 0)
+
+        def launch_metadata(self, grid, stream, *args):
+            return None
+
+        def run(self, *args):
+            calls.append(("direct", args))
+
+    class Jit:
+        arg_names = ["D", "L", "n", "A"]
+
+        def run(self, *args, grid, warmup, **meta):
+            calls.append(("jit", args))
+            return Compiled()
+
+    monkeypatch.setattr(ftc, "INTERPRET", False)
+    monkeypatch.setattr(ftl, "_direct_ok", True)
+    monkeypatch.setattr(ftl, "_LAUNCHERS", {})
+    monkeypatch.setattr(ftl, "_current_device", lambda: 0)
+    monkeypatch.setattr(ftl, "_current_stream", lambda device: 7)
+    raw, lse = Jit(), torch.zeros(64)
+    launch = lambda desc: ftl._run(raw, (4,), (desc, lse, 3), 2, A=1, num_warps=4)  # noqa: E731
+    small, large = torch.zeros(1, 2, 128, 64, dtype=torch.bfloat16), torch.zeros(3, 4, 512, 64, dtype=torch.bfloat16)
+    launch(hopper.tma_desc(small, (1, 1, 64, 64)))
+    launch(hopper.tma_desc(large, (1, 1, 64, 64)))                  # another shape and strides: direct
+    launch(hopper.tma_desc(large, (1, 1, 128, 64)))                 # another box
+    launch(hopper.tma_desc(large, (1, 1, 64, 64), swizzled=False))  # another shared-memory layout
+    launch(hopper.tma_desc(large.half(), (1, 1, 64, 64)))           # another dtype
+    assert [c[0] for c in calls] == ["jit", "direct", "jit", "jit", "jit"]
+    assert calls[1][1][-4].base is large  # the call's own descriptor goes to the launcher
+
+
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("seq", [300, 2048])
