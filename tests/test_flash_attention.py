@@ -685,13 +685,10 @@ def test_expanded_kv_overlapping_layout(cfg):
     check_against_reference(triton_with(cfg), q, k, v, True, TOL[torch.float32])
 
 
-@needs_triton
-def test_direct_launch_cache_matches_triton_specialization(monkeypatch):
-    """`_run` launches a cached compiled kernel only for the same constexprs, integer values, dtype and
-    16-byte alignment of every pointer (what Triton specializes on), appending the constexprs in the
-    kernel's parameter order; anything else goes through JITFunction.run."""
-    calls = []
-
+def _recording_kernel(monkeypatch, arg_names: list[str], calls: list):
+    """A stand-in for a JIT kernel whose launches `launch._run` makes: each launch through JITFunction.run appends
+    ("jit", args) to calls, each through the compiled kernel's launcher ("direct", launcher args); the direct path
+    enabled as on a GPU (device 0, stream 7), with an empty launcher cache."""
     class Compiled:
         function, packed_metadata = "fn", (4, 1, 0)
 
@@ -702,18 +699,27 @@ def test_direct_launch_cache_matches_triton_specialization(monkeypatch):
             calls.append(("direct", args))
 
     class Jit:
-        arg_names = ["X", "Y", "n", "scale", "A", "B"]
-
         def run(self, *args, grid, warmup, **meta):
             calls.append(("jit", args))
             return Compiled()
 
+    Jit.arg_names = arg_names
     monkeypatch.setattr(ftc, "INTERPRET", False)
     monkeypatch.setattr(ftl, "_direct_ok", True)
     monkeypatch.setattr(ftl, "_LAUNCHERS", {})
     monkeypatch.setattr(ftl, "_current_device", lambda: 0)
     monkeypatch.setattr(ftl, "_current_stream", lambda device: 7)
-    raw, x, y = Jit(), torch.zeros(64), torch.zeros(64)
+    return Jit()
+
+
+@needs_triton
+def test_direct_launch_cache_matches_triton_specialization(monkeypatch):
+    """`_run` launches a cached compiled kernel only for the same constexprs, integer values, dtype and
+    16-byte alignment of every pointer (what Triton specializes on), appending the constexprs in the
+    kernel's parameter order; anything else goes through JITFunction.run."""
+    calls = []
+    raw = _recording_kernel(monkeypatch, ["X", "Y", "n", "scale", "A", "B"], calls)
+    x, y = torch.zeros(64), torch.zeros(64)
     launch = lambda *args, **meta: ftl._run(raw, (2, 3), args, 2, **meta)  # noqa: E731
     launch(x, y, 5, 0.5, A=1, B=2, num_warps=4)
     launch(x, y, 5, 0.5, A=1, B=2, num_warps=4)               # same signature: direct
@@ -737,29 +743,7 @@ def test_direct_launch_cache_keys_tma_descriptors(monkeypatch):
     if not hopper.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
     calls = []
-
-    class Compiled:
-        function, packed_metadata = "fn", (4, 1, 0)
-
-        def launch_metadata(self, grid, stream, *args):
-            return None
-
-        def run(self, *args):
-            calls.append(("direct", args))
-
-    class Jit:
-        arg_names = ["D", "L", "n", "A"]
-
-        def run(self, *args, grid, warmup, **meta):
-            calls.append(("jit", args))
-            return Compiled()
-
-    monkeypatch.setattr(ftc, "INTERPRET", False)
-    monkeypatch.setattr(ftl, "_direct_ok", True)
-    monkeypatch.setattr(ftl, "_LAUNCHERS", {})
-    monkeypatch.setattr(ftl, "_current_device", lambda: 0)
-    monkeypatch.setattr(ftl, "_current_stream", lambda device: 7)
-    raw, lse = Jit(), torch.zeros(64)
+    raw, lse = _recording_kernel(monkeypatch, ["D", "L", "n", "A"], calls), torch.zeros(64)
     launch = lambda desc: ftl._run(raw, (4,), (desc, lse, 3), 2, A=1, num_warps=4)  # noqa: E731
     small, large = torch.zeros(1, 2, 128, 64, dtype=torch.bfloat16), torch.zeros(3, 4, 512, 64, dtype=torch.bfloat16)
     launch(hopper.tma_desc(small, (1, 1, 64, 64)))
