@@ -751,7 +751,9 @@ def test_direct_launch_cache_keys_tma_descriptors(monkeypatch):
     launch(hopper.tma_desc(large, (1, 1, 128, 64)))                 # another box
     launch(hopper.tma_desc(large, (1, 1, 64, 64), swizzled=False))  # another shared-memory layout
     launch(hopper.tma_desc(large.half(), (1, 1, 64, 64)))           # another dtype
-    assert [c[0] for c in calls] == ["jit", "direct", "jit", "jit", "jit"]
+    launch(None)  # no descriptor (the Gluon forward's tails without a tail): a constexpr, its own kernel
+    launch(None)
+    assert [c[0] for c in calls] == ["jit", "direct", "jit", "jit", "jit", "jit", "direct"]
     assert calls[1][1][-4].base is large  # the call's own descriptor goes to the launcher
 
 
@@ -1141,6 +1143,9 @@ for d in hf.HEAD_DIMS:
         constexprs = hf.fwd_constexprs(d, causal, tiles[d])  # what `launch_fwd` compiles
         types = {"LSE": "*fp32"}
         for name in ("Q", "K", "V", "O", "Q_T", "K_T", "V_T", "O_T"):  # 4-D TMA descriptors made on the host
+            if name.endswith("_T") and not d_tail:  # no tail: None, a constexpr (`launch_fwd`)
+                constexprs[name] = None
+                continue
             rows = hf.HALF_M if name[0] in "QO" else block_n
             width = d_tail if name.endswith("_T") and d_tail else d_main
             types[name] = mangle_type(hopper.tma_desc(torch.empty(1, 1, rows, width, dtype=torch.bfloat16),

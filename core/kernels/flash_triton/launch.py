@@ -87,11 +87,14 @@ else:
         return torch.cuda.current_stream(device).cuda_stream
 
 
-def _arg_key(arg) -> tuple:
+def _arg_key(arg) -> tuple | None:
     """What Triton specializes a kernel on for a tensor argument (its dtype, and whether its address is 16-byte
-    aligned) or a host TMA descriptor (its tensor's dtype, its box and its shared-memory layout)."""
+    aligned) or a host TMA descriptor (its tensor's dtype, its box and its shared-memory layout); None stays None
+    (a constexpr)."""
     if isinstance(arg, Tensor):
         return arg.dtype, arg.data_ptr() & 15 == 0
+    if arg is None:
+        return None
     return arg.base.dtype, tuple(arg.block_shape), arg.layout
 
 
