@@ -868,6 +868,55 @@ def test_gluon_ws_compiles_for_sm90(head_dim):
     compile_in_child(_GLUON_COMPILE, str(head_dim))
 
 
+def _frag_position(rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a d = 128 dQ element (row, column of its 64-row query tile) sits in the Gluon backward's dQ buffer: its
+    (64-column half, index within the half) as the wgmma accumulator holds it. Thread t = 32 w + 4 lr + lc of warp w
+    holds rows 16 w + 8 h + lr and columns 8 j + 2 lc + e of each 64-column half, as 32 values ordered (j, h, e)."""
+    w, h, lr = rows // 16, rows // 8 % 2, rows % 8
+    half, j, lc, e = cols // 64, cols % 64 // 8, cols % 8 // 2, cols % 2
+    return half, (32 * w + 4 * lr + lc) * 32 + 4 * j + 2 * h + e
+
+
+@needs_triton
+def test_ws_dq_buffer_order_is_undone_by_ws_dq_finish():
+    """`ws_dq_finish` (its Triton kernel) reads a d = 128 dQ buffer laid out as the accumulators hold it (built here
+    from the documented element positions), scaled into dQ's own layout: whole tiles into a non-dense dQ, and a
+    ragged last tile (the buffer padded to whole tiles)."""
+    from core.kernels.flash_triton import hopper
+    for n_q in (128, 200):
+        z, h, d = 2, 3, 128
+        ref = torch.randn(z, h, n_q, d, dtype=torch.float64)
+        acc = hopper.ws_dq_buffer(torch.empty(z, h, n_q, d))
+        tiles = acc.shape[2] // 64
+        assert acc.shape == (z, h, tiles * 64, d) and acc.dtype == torch.float32
+        flat = acc.view(z, h, tiles, 2, 64 * 64)
+        rows, cols = torch.meshgrid(torch.arange(n_q), torch.arange(d), indexing="ij")
+        half, pos = _frag_position(rows % 64, cols)
+        flat[:, :, rows // 64, half, pos] = ref.float()
+        dq = torch.empty(z, n_q, h, d, dtype=torch.bfloat16).transpose(1, 2)  # (B, T, H, d) viewed (B, H, T, d)
+        hopper.ws_dq_finish(acc, dq, 0.125)
+        assert torch.allclose(dq.double(), 0.125 * ref, rtol=1e-2, atol=1e-2)
+
+
+def test_ws_dq_shared_layout_is_the_accumulator_order():
+    """The Gluon backward's shared-memory layout of a d = 128 dQ block (`hopper._DQ_FRAG`, given by its offset
+    bits' bases) puts each element where the TMA box of 128-byte-swizzled rows reads it for `_frag_position`:
+    float o = 32 t + 4 (j ^ t % 8) + 2 h + e."""
+    from core.kernels.flash_triton import hopper
+    if not hopper.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    bases = hopper._DQ_FRAG.value.offset_bases
+    assert len(bases) == 12
+    for o in range(64 * 64):
+        row = col = 0
+        for bit, (r, c) in enumerate(bases):
+            if o >> bit & 1:
+                row, col = row ^ r, col ^ c
+        half, pos = _frag_position(torch.tensor(row), torch.tensor(col))
+        t, p = divmod(int(pos), 32)
+        assert half == 0 and o == 32 * t + 4 * (p // 4 ^ t % 8) + p % 4, (o, row, col)
+
+
 def _pretend_compiled_hopper(monkeypatch) -> None:
     """Make the Gluon kernels' host checks see compiled CUDA (no interpreter) on an sm_90 device."""
     monkeypatch.setattr(ftc, "INTERPRET", False)
@@ -945,6 +994,8 @@ def _gluon_usable() -> bool:
     ((1, 2, 200, 128), 333, True, torch.bfloat16),
     ((1, 2, 334, 128), 200, True, torch.float16),
     ((2, 2, 1000, 128), 1000, False, torch.bfloat16),
+    ((2, 2, 512, 128), 512, True, torch.bfloat16),   # whole 64-row tiles: the dQ buffer unpadded
+    ((2, 2, 512, 128), 512, False, torch.float16),   # ... and written into a non-dense dQ
     ((2, 3, 258, 96), 258, True, torch.bfloat16),   # head dims 96 and 80: a 64-wide main part and a tail
     ((1, 2, 334, 96), 200, True, torch.float16),
     ((2, 2, 1000, 80), 1000, False, torch.bfloat16),

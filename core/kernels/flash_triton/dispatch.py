@@ -281,8 +281,13 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         launch._ensure_scratch_allocator()
     # per row, (base-2 logsumexp, delta = rowsum(dO * O)), written by the first launch for the dK/dV pass
     stats = torch.empty((z, h, n_q, 2), device=q.device, dtype=torch.float32)
+    ws = atomic_dq and _ws_ok(q, do, d, cfg)
     if atomic_dq:  # the row stats first; the dK/dV pass then adds dS K into an fp32 buffer
-        dq_acc = torch.empty((z, h, n_q, d), device=q.device, dtype=torch.float32)  # zeroed by the delta kernel
+        if ws:
+            from core.kernels.flash_triton import hopper
+            dq_acc = hopper.ws_dq_buffer(q)  # its own layout at d = 128
+        else:
+            dq_acc = torch.empty((z, h, n_q, d), device=q.device, dtype=torch.float32)  # zeroed by the delta kernel
         _run(_bwd_delta_kernel, (z * h, _cdiv(n_q, 64)),
              (o, do, lse, stats, dq_acc, *_strides(o, do), h, n_q), 5,
              HEAD_DIM=d, BLOCK_D=_POW2_D[d], BLOCK_M=64)
@@ -292,11 +297,10 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         _launch("dq", _dq_tuned if not interpret else None, _bwd_dq_kernel, z * h, n_q, dq_args,
                 is_causal, d, block_d, seq_class, q.dtype, tiles=cfg.tile("dq"), TAIL_D=tail_d)
         dq_acc = stats  # DQ_ACC is not touched without atomics
-    if atomic_dq and _ws_ok(q, do, d, cfg):
-        from core.kernels.flash_triton import hopper
+    if ws:
         # the warp-specialised Gluon kernel adds unscaled dS K tiles
         hopper.launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_scale, is_causal)
-        torch.mul(dq_acc, sm_scale, out=dq)
+        hopper.ws_dq_finish(dq_acc, dq, sm_scale)
         return dq, _sum_groups(dk, k, group), _sum_groups(dv, v, group)
     dkdv_args = (q, k, v, do, dk, dv, stats, dq_acc, *_strides(q, k, v, do, dk, dv),
                  h, group, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)

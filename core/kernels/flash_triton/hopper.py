@@ -105,6 +105,12 @@ BLOCK_M, BLOCK_N = 64, 64
 WS_KEYS = 2 * BLOCK_N
 WS_RING = {64: (6, 3), 80: (4, 3), 96: (4, 3), 128: (3, 2)}
 WS_REGS = 256
+# d = 128: each warpgroup's 64 x 64 fp32 dQ block goes to shared memory in its wgmma accumulator's order, a thread's 32
+# values one 128-byte row (`FRAG_ROWS` rows of 32), and into an fp32 dQ buffer laid out in that order (`ws_dq_buffer`,
+# `ws_dq_finish`). Stored in the block's row-major (swizzled) order, each 8-byte store met another thread's in a
+# bank (ncu: twice the ideal wavefronts, 20% of the kernel's stall samples waiting on the store queue); a row a
+# thread takes 16-byte stores that no two threads of a quarter-warp share a bank for.
+FRAG_ROWS, FRAG_COLS = 128, 32
 
 
 def ws_constexprs(d: int) -> dict:
@@ -117,6 +123,16 @@ def ws_constexprs(d: int) -> dict:
 
 
 if HAVE_GLUON:
+    # A thread of the accumulator (warp w, lane 4 lr + lc) holds rows 16 w + 8 h + lr and columns 8 j + 2 lc + e
+    # (h, e in 0..1, j in 0..7); shared-memory float o = 32 t + 4 (j ^ t % 8) + 2 h + e, t = 32 w + 4 lr + lc, is
+    # the 128-byte-swizzled (FRAG_ROWS, FRAG_COLS) box whose row t the TMA adds to row t of the dQ buffer as
+    # 32 floats ordered (j, h, e). The bases: the (row, column) of each offset bit.
+    _DQ_FRAG = gl.constexpr(gl.SharedLinearLayout(
+        offset_bases=[[0, 1], [8, 0], [0, 8], [0, 16], [0, 32], [0, 10], [0, 20], [1, 32], [2, 0], [4, 0], [16, 0],
+                      [32, 0]], alignment=1024))
+    _DQ_FRAG_TMA = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
+    _FRAG_ROWS, _FRAG_COLS = gl.constexpr(FRAG_ROWS), gl.constexpr(FRAG_COLS)
+
     @gluon.jit
     def _ring(STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, D_TAIL: gl.constexpr,
               dtype: gl.constexpr):
@@ -391,6 +407,8 @@ if HAVE_GLUON:
         offs_m0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
         dq_cols: gl.constexpr = dq_buf.shape[1]
         zero_q = gl.zeros([BLOCK_M, dq_cols], gl.float32, layout=mma_q)
+        # d = 128: the dQ buffer's query-tile blocks of this head start here, 2 FRAG_ROWS rows each (`_DQ_FRAG`)
+        frag_row0 = (stats_row // n_q) * gl.cdiv(n_q, BLOCK_M)
         keys: gl.constexpr = k_smem.shape[1]
         parts: gl.constexpr = 2 if D_TAIL > 0 else 1  # wgmmas per product over the head dim
         for start_m in range(start, end, BLOCK_M):
@@ -459,7 +477,11 @@ if HAVE_GLUON:
             dq_buf.store(dq)
             fence_async_shared()
             _barrier()
-            _tma_add(dq_desc, [z, h, start_m, 0], dq_buf.reshape([1, 1, BLOCK_M, dq_cols]))
+            if D_TAIL == 0:  # d = 128: this warpgroup's half of the block, in the accumulator's order
+                _tma_add(dq_desc, [((frag_row0 + start_m // BLOCK_M) * 2 + ROLE) * _FRAG_ROWS, 0],
+                         dq_buf._reinterpret(gl.float32, [_FRAG_ROWS, _FRAG_COLS], _DQ_FRAG_TMA))
+            else:
+                _tma_add(dq_desc, [z, h, start_m, 0], dq_buf.reshape([1, 1, BLOCK_M, dq_cols]))
             it += 1
         return it, dk, dv, dkt, dvt
 
@@ -601,10 +623,14 @@ if HAVE_GLUON:
                 vt_smem = v_smem
             DQ0: gl.constexpr = HEAD_DIM if D_TAIL > 0 else HEAD_DIM // 2
             DQ1: gl.constexpr = D_TAIL if D_TAIL > 0 else HEAD_DIM // 2
-            dq0_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQ0],
-                                                 gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ0], gl.float32))
-            dq1_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQ1],
-                                                 gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ1], gl.float32))
+            if D_TAIL > 0:
+                dq0_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQ0],
+                                                     gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ0], gl.float32))
+                dq1_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQ1],
+                                                     gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ1], gl.float32))
+            else:  # d = 128: in the accumulator's order (`_DQ_FRAG`)
+                dq0_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQ0], _DQ_FRAG)
+                dq1_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQ1], _DQ_FRAG)
             gl.warp_specialize([
                 (_ws_warpgroup_wide, (0, K, V, DK, DV, q_desc, do_desc, qt_desc, dot_desc, stats_desc, dq_desc,
                                       q_smem, do_smem, qt_smem, dot_smem, stats_smem, k_smem, v_smem, kt_smem,
@@ -685,14 +711,40 @@ def part_descs(t: Tensor, rows: int, main: int, tail: int) -> tuple:
 
 def ws_descs(q: Tensor, do: Tensor, stats: Tensor, dq_acc: Tensor) -> list:
     """`_bwd_ws_kernel`'s TMA descriptors: Q and dO in their main part and tail (`part_descs`); the (lse2, delta)
-    pairs as fp32 over all heads' rows (in the kernel: int64, a pair each); the dQ buffer in the columns each
-    warpgroup reduces (d = 64: all, for the second; 128: half each; 80 / 96: the main part and the tail)."""
+    pairs as fp32 over all heads' rows (in the kernel: int64, a pair each); the dQ buffer (`ws_dq_buffer`) in the
+    columns each warpgroup reduces (d = 64: all, for the second; 80 / 96: the main part and the tail; 128: rows of
+    FRAG_COLS floats in the accumulators' order, both warpgroups)."""
     main, tail = common._TILE_D[q.shape[3]]
     q_desc, qt_desc = part_descs(q, BLOCK_M, main, tail)
     do_desc, dot_desc = part_descs(do, BLOCK_M, main, tail)
     stats_desc = tma_desc(stats.view(-1), (2 * BLOCK_M,), swizzled=False)
-    dq_split = (main, tail) if tail else (main // 2, main // 2) if main > 64 else (main, 0)
-    return [q_desc, do_desc, qt_desc, dot_desc, stats_desc, *part_descs(dq_acc, BLOCK_M, *dq_split)]
+    if main > 64:
+        dq_desc = tma_desc(dq_acc.view(-1, FRAG_COLS), (FRAG_ROWS, FRAG_COLS))
+        return [q_desc, do_desc, qt_desc, dot_desc, stats_desc, dq_desc, dq_desc]
+    return [q_desc, do_desc, qt_desc, dot_desc, stats_desc, *part_descs(dq_acc, BLOCK_M, main, tail)]
+
+
+def ws_dq_buffer(q: Tensor) -> Tensor:
+    """The fp32 buffer `_bwd_ws_kernel` adds the unscaled dQ into, for 4-D q (Z, H, N_q, d), zeroed by the delta
+    kernel: (Z, H, N_q, d) contiguous; at d = 128 each 64-row query tile's two 64-column halves in their wgmma
+    accumulators' order (`_DQ_FRAG`), the last tile padded to 64 rows (then zeroed here: the delta kernel zeroes
+    N_q rows' worth)."""
+    z, h, n_q, d = q.shape
+    if d != 128 or n_q % BLOCK_M == 0:
+        return torch.empty((z, h, n_q, d), device=q.device, dtype=torch.float32)
+    return torch.zeros((z, h, _cdiv(n_q, BLOCK_M) * BLOCK_M, d), device=q.device, dtype=torch.float32)
+
+
+def ws_dq_finish(dq_acc: Tensor, dq: Tensor, sm_scale: float) -> None:
+    """dq = sm_scale * the dQ in `ws_dq_buffer`'s dq_acc, written in dq's own layout."""
+    z, h, n_q, d = dq.shape
+    if d != 128:
+        torch.mul(dq_acc, sm_scale, out=dq)
+        return
+    from core.kernels.flash_triton.backward import _ws_dq_finish_kernel
+    tiles = dq_acc.shape[2] // BLOCK_M
+    launch._run(_ws_dq_finish_kernel, (z * h * tiles,), (dq_acc, dq, *dq.stride()[:3], h, n_q, tiles, sm_scale), 2,
+                num_warps=8)
 
 
 def launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_scale, is_causal) -> None:
