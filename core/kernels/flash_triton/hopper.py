@@ -33,11 +33,11 @@ V (64 more as register operands) move to shared memory, and a 64 x 128 dQ (64 mo
 warpgroup. Both warpgroups compute dQ instead, each for its half of the head dim (dS over all 128 keys times
 K[:, half], 32 registers) and each reduces its own 64 x 64 block, so both hand their dS^T halves over shared
 memory and wait for the other's (ds_ready / ds_free count both). A block goes through shared memory in its
-accumulator's order (`_DQ_FRAG`, `FRAG_ROWS`), and the dQ buffer keeps that order until `ws_dq_finish`. dK = dS^T Q takes its dS^T from there too, not
-from registers: with a register operand (16 more registers) the ptxas of Triton 3.6 runs out and serializes every
-wgmma (info C7512), and the kernel took 1.08-1.11x the time at 8192-16384 rows. Shared memory sets the ring: K
-and V 64 KB, dS^T 32 KB, the dQ blocks 32 KB, and 3 stages of Q, dO and pairs (32.5 KB each), 226 KB of the 227 a
-program may have.
+accumulator's order (`_DQ_FRAG`, `FRAG_ROWS`), and the dQ buffer keeps that order until `ws_dq_finish`. dK = dS^T Q
+takes its dS^T from there too, not from registers: with a register operand (16 more registers) the ptxas of Triton
+3.6 runs out and serializes every wgmma (info C7512), and the kernel took 1.08-1.11x the time at 8192-16384 rows.
+Shared memory sets the ring: K and V 64 KB, dS^T 32 KB, the dQ blocks 32 KB, and 3 stages of Q, dO and pairs
+(32.5 KB each), 226 KB of the 227 a program may have.
 
 Head dims 80 and 96 take the same path with the head dim as a 64-wide main part and a tail (`common._TILE_D`:
 80 = 64 + 16, 96 = 64 + 32; shared-memory and register tiles are powers of two), each with its own TMA descriptors,
