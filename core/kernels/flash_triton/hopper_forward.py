@@ -79,7 +79,7 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
     from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
     from core.kernels.flash_triton.hopper import _barrier, _tma_load  # under their 3.6 or 3.9 names
-    from core.kernels.flash_triton.hopper import part_descs, tma_desc
+    from core.kernels.flash_triton.hopper import part_descs
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global  # 3.9 renamed it
     HAVE_GLUON = True
 except ImportError:  # a Triton without Gluon (or without its Hopper ops)
@@ -853,10 +853,9 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causa
     boxes = ((q, HALF_M), (k, block_n), (v, block_n), (o, HALF_M))  # (tensor, rows a load or store takes)
     # descriptors of the head dim's main part and tail, made on the host (in every program they cost 20-25% at
     # S = 512)
-    if d_tail:
-        descs, tails = zip(*(part_descs(t, rows, d_main, d_tail) for t, rows in boxes))
-    else:  # no tail: None, a constexpr, rather than a descriptor the launcher would encode and the kernel never read
-        descs, tails = tuple(tma_desc(t, (1, 1, rows, d_main)) for t, rows in boxes), (None,) * 4
+    descs, tails = zip(*(part_descs(t, rows, d_main, d_tail) for t, rows in boxes))
+    if not d_tail:  # None, a constexpr, rather than descriptors the launcher would encode and the kernel never read
+        tails = (None,) * 4
     # persistent: a program an SM (their shared memory allows no second); on a grid of fewer than half as many
     # pairs of query tiles, a tile a program (`_tile`)
     n_units = _cdiv(z * h * _cdiv(n_q, consumers * HALF_M), 2)  # the kernel's work units (`_tile`): half the tiles
