@@ -869,9 +869,10 @@ def test_gluon_ws_compiles_for_sm90(head_dim):
 
 
 def _frag_position(rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where a d = 128 dQ element (row, column of its 64-row query tile) sits in the Gluon backward's dQ buffer: its
-    (64-column half, index within the half) as the wgmma accumulator holds it. Thread t = 32 w + 4 lr + lc of warp w
-    holds rows 16 w + 8 h + lr and columns 8 j + 2 lc + e of each 64-column half, as 32 values ordered (j, h, e)."""
+    """Where a d = 64 / 128 dQ element (row, column of its 64-row query tile) sits in the Gluon backward's dQ buffer:
+    its (64-column block, index within the block) as the wgmma accumulator holds it. Thread t = 32 w + 4 lr + lc of
+    warp w holds rows 16 w + 8 h + lr and columns 8 j + 2 lc + e of each 64-column block, as 32 values ordered
+    (j, h, e)."""
     w, h, lr = rows // 16, rows // 8 % 2, rows % 8
     half, j, lc, e = cols // 64, cols % 64 // 8, cols % 8 // 2, cols % 2
     return half, (32 * w + 4 * lr + lc) * 32 + 4 * j + 2 * h + e
@@ -879,17 +880,17 @@ def _frag_position(rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor
 
 @needs_triton
 def test_ws_dq_buffer_order_is_undone_by_ws_dq_finish():
-    """`ws_dq_finish` (its Triton kernel) reads a d = 128 dQ buffer laid out as the accumulators hold it (built here
-    from the documented element positions), scaled into dQ's own layout: whole tiles into a non-dense dQ, and a
-    ragged last tile (the buffer padded to whole tiles)."""
+    """`ws_dq_finish` (its Triton kernel) reads a d = 64 / 128 dQ buffer laid out as the accumulators hold it (built
+    here from the documented element positions), scaled into dQ's own layout: whole tiles into a non-dense dQ, and
+    a ragged last tile (the buffer padded to whole tiles)."""
     from core.kernels.flash_triton import hopper
-    for n_q in (128, 200):
-        z, h, d = 2, 3, 128
+    for n_q, d in ((128, 128), (200, 128), (128, 64), (200, 64)):
+        z, h = 2, 3
         ref = torch.randn(z, h, n_q, d, dtype=torch.float64)
         acc = hopper.ws_dq_buffer(torch.empty(z, h, n_q, d))
         tiles = acc.shape[2] // 64
         assert acc.shape == (z, h, tiles * 64, d) and acc.dtype == torch.float32
-        flat = acc.view(z, h, tiles, 2, 64 * 64)
+        flat = acc.view(z, h, tiles, d // 64, 64 * 64)
         rows, cols = torch.meshgrid(torch.arange(n_q), torch.arange(d), indexing="ij")
         half, pos = _frag_position(rows % 64, cols)
         flat[:, :, rows // 64, half, pos] = ref.float()
@@ -990,6 +991,8 @@ def _gluon_usable() -> bool:
     ((1, 2, 334, 64), 200, True, torch.bfloat16),   # rows that see no key
     ((2, 2, 1000, 64), 1000, False, torch.float16),
     ((2, 3, 257, 64), 257, True, torch.bfloat16),   # odd N_q: falls back to the Triton kernels
+    ((2, 2, 512, 64), 512, True, torch.bfloat16),    # whole 64-row tiles: the dQ buffer unpadded
+    ((2, 2, 512, 64), 512, False, torch.float16),    # ... and written into a non-dense dQ
     ((2, 3, 258, 128), 258, True, torch.bfloat16),  # head dim 128: K, V in shared memory, dQ split by head dim
     ((1, 2, 200, 128), 333, True, torch.bfloat16),
     ((1, 2, 334, 128), 200, True, torch.float16),

@@ -345,19 +345,20 @@ if HAVE_TRITON:
                          IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N, False)
 
     @triton.jit
-    def _ws_dq_finish_kernel(ACC, DQ, stride_dqz, stride_dqh, stride_dqm, n_heads, n_q, tiles, sm_scale):
-        """dQ = sm_scale * the Gluon backward's d = 128 fp32 dQ buffer (`hopper.ws_dq_buffer`): a program per 64-row
-        query tile, whose 8192 floats the buffer holds as (half, w, lr, lc, j, h, e) for the tile's row
-        16 w + 8 h + lr and column 64 half + 8 j + 2 lc + e; read in that order, written row-major (rows past n_q
-        not). In PyTorch the same permutation as one strided multiply made the backward 1.10x slower at
-        (32, 16, 2048, 128) causal."""
+    def _ws_dq_finish_kernel(ACC, DQ, stride_dqz, stride_dqh, stride_dqm, n_heads, n_q, tiles, sm_scale,
+                             BLOCKS: tl.constexpr):
+        """dQ = sm_scale * the Gluon backward's fp32 dQ buffer at d = 64 BLOCKS (`hopper.ws_dq_buffer`): a program per
+        64-row query tile, whose BLOCKS x 4096 floats the buffer holds as (block, w, lr, lc, j, h, e) for the tile's
+        row 16 w + 8 h + lr and column 64 block + 8 j + 2 lc + e; read in that order, written row-major (rows past
+        n_q not). In PyTorch the same permutation as one strided multiply took about twice a plain multiply's time."""
         pid = tl.program_id(0)
         pid_zh = pid // tiles
         tile = pid % tiles
-        x = tl.load(ACC + pid.to(tl.int64) * 8192 + tl.arange(0, 8192))
-        x = tl.reshape(tl.permute(tl.reshape(x, [2, 4, 8, 4, 8, 2, 2]), [1, 5, 2, 0, 4, 3, 6]), [64, 128])
+        x = tl.load(ACC + pid.to(tl.int64) * (BLOCKS * 4096) + tl.arange(0, BLOCKS * 4096))
+        x = tl.reshape(tl.permute(tl.reshape(x, [BLOCKS, 4, 8, 4, 8, 2, 2]), [1, 5, 2, 0, 4, 3, 6]),
+                       [64, BLOCKS * 64])
         rows = tile * 64 + tl.arange(0, 64)
-        cols = tl.arange(0, 128)
+        cols = tl.arange(0, BLOCKS * 64)
         off_z = (pid_zh // n_heads).to(tl.int64)
         off_h = (pid_zh % n_heads).to(tl.int64)
         tl.store(DQ + off_z * stride_dqz + off_h * stride_dqh + rows[:, None] * stride_dqm + cols[None, :],

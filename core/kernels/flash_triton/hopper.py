@@ -19,13 +19,14 @@ instead of the two-pass scheme's 7, each step's dQ = dS K added into an fp32 buf
 independently (`gl.warp_specialize`), each with its own 64 keys and its own chain of waits, so one computes
 exponentials while the other's matmuls run, as in cuDNN's kernel. They meet only where they must: the first
 warpgroup issues the TMA loads, into a ring both release, and hands its dS^T over shared memory to the second,
-which computes dQ over all 128 keys in one wgmma and issues one reduction per step. Measured at the leaderboard
-shape: with 64 keys per program (one warpgroup) the reductions alone filled L2 (87% of its
-throughput) and the kernel was 5% slower than the two-pass backward; 128 keys in one lockstep 8-warp program, 20%
-slower; two warpgroups each computing a dQ part over its own 64 keys, summed by the second, 7-10% faster; this
-one, 3-6% faster again (2.84 ms against cuDNN's 2.92 under the profiler). The default backward policy uses it for
-long rows (`FlashConfig.hopper_ws`, `ws_min_rows`). Its TMA descriptors are made on the host (`launch_ws`): made
-in every program they cost up to 13% of the time at 2048 rows.
+which computes dQ over all 128 keys in one wgmma and issues one reduction per step (its 64 x 64 block through
+shared memory and the dQ buffer in the accumulator's order, `_DQ_FRAG`, as at d = 128 below). Measured at the
+leaderboard shape: with 64 keys per program (one warpgroup) the reductions alone filled L2 (87% of its throughput)
+and the kernel was 5% slower than the two-pass backward; 128 keys in one lockstep 8-warp program, 20% slower; two
+warpgroups each computing a dQ part over its own 64 keys, summed by the second, 7-10% faster; this one, 3-6%
+faster again (2.84 ms against cuDNN's 2.92 under the profiler). The default backward policy uses it for long rows
+(`FlashConfig.hopper_ws`, `ws_min_rows`). Its TMA descriptors are made on the host (`launch_ws`): made in every
+program they cost up to 13% of the time at 2048 rows.
 
 Head dim 128 (`_ws_warpgroup_wide`, `_ws_steps_wide`) keeps the program shape (128 keys, 64 queries a step) but
 not the register plan: per thread, dK and dV alone take 128 of the 255 registers, S^T and dP^T 64 more, so K and
@@ -106,11 +107,12 @@ BLOCK_M, BLOCK_N = 64, 64
 WS_KEYS = 2 * BLOCK_N
 WS_RING = {64: (6, 3), 80: (4, 3), 96: (4, 3), 128: (3, 2)}
 WS_REGS = 256
-# d = 128: each warpgroup's 64 x 64 fp32 dQ block goes to shared memory in its wgmma accumulator's order, a thread's 32
+# d = 64 and 128: each 64 x 64 fp32 dQ block goes to shared memory in its wgmma accumulator's order, a thread's 32
 # values one 128-byte row (`FRAG_ROWS` rows of 32), and into an fp32 dQ buffer laid out in that order (`ws_dq_buffer`,
 # `ws_dq_finish`). Stored in the block's row-major (swizzled) order, each 8-byte store met another thread's in a
-# bank (ncu: twice the ideal wavefronts, 20% of the kernel's stall samples waiting on the store queue); a row a
-# thread takes 16-byte stores that no two threads of a quarter-warp share a bank for.
+# bank (ncu at d = 128: twice the ideal wavefronts, 20% of the kernel's stall samples waiting on the store queue); a
+# row a thread takes 16-byte stores that no two threads of a quarter-warp share a bank for. The backward took
+# 0.92-0.95x its former time at d = 128 and 0.91-0.96x at 64 (1024-16384 rows).
 FRAG_ROWS, FRAG_COLS = 128, 32
 
 
@@ -303,6 +305,7 @@ if HAVE_GLUON:
         offs_m0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
         zero_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=mma_d)
         keys: gl.constexpr = k_op.shape[0]
+        frag_row0 = (stats_row // n_q) * gl.cdiv(n_q, BLOCK_M)  # this head's first query tile in the dQ buffer
         for start_m in range(start, end, BLOCK_M):
             stage = it % STAGES
             mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
@@ -344,11 +347,12 @@ if HAVE_GLUON:
                 dk = warpgroup_mma(dk_op, q_tile, dk, is_async=True)
                 dq = warpgroup_mma_wait(1, deps=[dq])
                 mbarrier.arrive(ds_free.index(slot), count=1)
+                # in the accumulator's order (`_DQ_FRAG`), the block's FRAG_ROWS rows of the dQ buffer
                 dq_buf = dq_smem.index(slot)
-                dq_buf.store(dq)
+                dq_buf._reinterpret(gl.float32, [BLOCK_M, HEAD_DIM], _DQ_FRAG).store(dq)
                 fence_async_shared()
                 _barrier()
-                _tma_add(dq_desc, [z, h, start_m, 0], dq_buf.reshape([1, 1, BLOCK_M, HEAD_DIM]))
+                _tma_add(dq_desc, [(frag_row0 + start_m // BLOCK_M) * _FRAG_ROWS, 0], dq_buf)
             it += 1
         return it, dk, dv
 
@@ -652,8 +656,7 @@ if HAVE_GLUON:
             # K of both warpgroups (dQ's B operand); the second warpgroup's dQ tiles, two (by step parity)
             k_smem = gl.allocate_shared_memory(dtype, [2 * BLOCK_N, HEAD_DIM],
                                                gl.NVMMASharedLayout.get_default_for([2 * BLOCK_N, HEAD_DIM], dtype))
-            dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM],
-                                                gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32))
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, _FRAG_ROWS, _FRAG_COLS], _DQ_FRAG_TMA)
             gl.warp_specialize([
                 (_ws_warpgroup, (0, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem,
                                  k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h,
@@ -712,14 +715,14 @@ def part_descs(t: Tensor, rows: int, main: int, tail: int) -> tuple:
 
 def ws_descs(q: Tensor, do: Tensor, stats: Tensor, dq_acc: Tensor) -> list:
     """`_bwd_ws_kernel`'s TMA descriptors: Q and dO in their main part and tail (`part_descs`); the (lse2, delta)
-    pairs as fp32 over all heads' rows (in the kernel: int64, a pair each); the dQ buffer (`ws_dq_buffer`) in the
-    columns each warpgroup reduces (d = 64: all, for the second; 80 / 96: the main part and the tail; 128: rows of
-    FRAG_COLS floats in the accumulators' order, both warpgroups)."""
+    pairs as fp32 over all heads' rows (in the kernel: int64, a pair each); the dQ buffer (`ws_dq_buffer`): at d = 64
+    and 128 in rows of FRAG_COLS floats (the accumulator's order), at 80 / 96 the main part and the tail each
+    warpgroup reduces."""
     main, tail = common._TILE_D[q.shape[3]]
     q_desc, qt_desc = part_descs(q, BLOCK_M, main, tail)
     do_desc, dot_desc = part_descs(do, BLOCK_M, main, tail)
     stats_desc = tma_desc(stats.view(-1), (2 * BLOCK_M,), swizzled=False)
-    if main > 64:
+    if not tail:
         dq_desc = tma_desc(dq_acc.view(-1, FRAG_COLS), (FRAG_ROWS, FRAG_COLS))
         return [q_desc, do_desc, qt_desc, dot_desc, stats_desc, dq_desc, dq_desc]
     return [q_desc, do_desc, qt_desc, dot_desc, stats_desc, *part_descs(dq_acc, BLOCK_M, main, tail)]
@@ -727,11 +730,11 @@ def ws_descs(q: Tensor, do: Tensor, stats: Tensor, dq_acc: Tensor) -> list:
 
 def ws_dq_buffer(q: Tensor) -> Tensor:
     """The fp32 buffer `_bwd_ws_kernel` adds the unscaled dQ into, for 4-D q (Z, H, N_q, d), zeroed by the delta
-    kernel: (Z, H, N_q, d) contiguous; at d = 128 each 64-row query tile's two 64-column halves in their wgmma
-    accumulators' order (`_DQ_FRAG`), the last tile padded to 64 rows (then zeroed here: the delta kernel zeroes
-    N_q rows' worth)."""
+    kernel: (Z, H, N_q, d) contiguous at d = 80 / 96; at d = 64 and 128 each 64-row query tile's 64-column blocks
+    in their wgmma accumulators' order (`_DQ_FRAG`), the last tile padded to 64 rows (then zeroed here: the delta
+    kernel zeroes N_q rows' worth)."""
     z, h, n_q, d = q.shape
-    if d != 128 or n_q % BLOCK_M == 0:
+    if d not in (64, 128) or n_q % BLOCK_M == 0:
         return torch.empty((z, h, n_q, d), device=q.device, dtype=torch.float32)
     return torch.zeros((z, h, _cdiv(n_q, BLOCK_M) * BLOCK_M, d), device=q.device, dtype=torch.float32)
 
@@ -739,13 +742,13 @@ def ws_dq_buffer(q: Tensor) -> Tensor:
 def ws_dq_finish(dq_acc: Tensor, dq: Tensor, sm_scale: float) -> None:
     """dq = sm_scale * the dQ in `ws_dq_buffer`'s dq_acc, written in dq's own layout."""
     z, h, n_q, d = dq.shape
-    if d != 128:
+    if d not in (64, 128):
         torch.mul(dq_acc, sm_scale, out=dq)
         return
     from core.kernels.flash_triton.backward import _ws_dq_finish_kernel
     tiles = dq_acc.shape[2] // BLOCK_M
     launch._run(_ws_dq_finish_kernel, (z * h * tiles,), (dq_acc, dq, *dq.stride()[:3], h, n_q, tiles, sm_scale), 2,
-                num_warps=8)
+                BLOCKS=d // 64, num_warps=8 if d == 128 else 4)
 
 
 def launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_scale, is_causal) -> None:
