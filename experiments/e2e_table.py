@@ -4,7 +4,9 @@
     python experiments/e2e_table.py --sizes medium --precisions bf16 --seq 2048 --batch 8 --modes train_step \
         --extra compile=true --attention sdpa,flash_triton     # our kernel end to end against SDPA
 
-With several `--attention` implementations each (size, precision, mode) row is measured for each of them in
+An `--attention` entry may set its kernel's configuration after `@`: `flash_triton@ws_min_rows=2048;backward=fused`
+sets `attention_impl.config.ws_min_rows=2048` and `attention_impl.config.backward=fused` (the same kernel under two
+policies, side by side). With several `--attention` implementations each (size, precision, mode) row is measured for each of them in
 the same process, and a last table gives each one's median step time over the first one's; `--interleave R` builds
 their models together and alternates R rounds of their timed steps (for ratios of a percent or two: the GPU's state
 drifts between one model's run and the next's; peak memory then counts every model's), and the ratio table then
@@ -38,6 +40,13 @@ from core.trainer import build  # noqa: E402
 from experiments.results import default_out, write_result  # noqa: E402
 
 
+def attention_overrides(attn: str) -> list[str]:
+    """The Hydra overrides of an `--attention` entry: `name` or `name@key=value;key=value` (keys of its
+    `attention_impl.config`)."""
+    name, _, config = attn.partition("@")
+    return [f"attention_impl={name}"] + [f"attention_impl.config.{item}" for item in config.split(";") if item]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="small,medium,large,xl,10b,leaderboard_8b")
@@ -49,7 +58,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--extra", default="", help="more overrides, comma separated (e.g. compile=true)")
     ap.add_argument("--attention", default="sdpa", help="attention_impl options, comma separated; the first is "
-                    "the baseline of the ratio table")
+                    "the baseline of the ratio table; name@key=value;key=value sets attention_impl.config keys")
     ap.add_argument("--interleave", type=int, default=0, help="with several --attention: build the models of one "
                     "size and precision together and time them in this many alternating rounds of steps / rounds "
                     "steps each (the GPU's clocks and temperature drift between one model's run and the next's); "
@@ -72,7 +81,7 @@ def main() -> None:
     round_medians: dict[tuple, list[float]] = {}  # interleaved: each round's median step, by (size, prec, mode, attn)
     attentions = args.attention.split(",")
     def overrides_for(size: str, prec: str, attn: str) -> list[str]:
-        overrides = [f"model={size}", f"precision={prec}", f"attention_impl={attn}", "data=synthetic", "logger=none",
+        overrides = [f"model={size}", f"precision={prec}", *attention_overrides(attn), "data=synthetic", "logger=none",
                      f"train.batch_size={args.batch}", f"data.seq_len={args.seq}", "optimizer.grad_clip=0",
                      f"paths.run_dir={out.parent / 'e2e_runs'}", f"paths.output_root={out.parent}"]
         return overrides + [o for o in args.extra.split(",") if o]
@@ -87,7 +96,7 @@ def main() -> None:
         mfu = run.flops.mfu(mean / 1e3)
         peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
         medians[(size, prec, mode, attn)] = statistics.median(ms)
-        rows.append(f"| {size} | {run.model_cfg.num_params() / 1e9:.2f}B | {prec} | {run.attention} | {mode} | "
+        rows.append(f"| {size} | {run.model_cfg.num_params() / 1e9:.2f}B | {prec} | {attn} | {mode} | "
                     f"{mean:.1f} | {std:.1f} | {statistics.median(ms):.1f} | "
                     f"{run.tokens_per_step / (mean / 1e3):,.0f} | "
                     f"{(mfu * share if mfu is not None else float('nan')):.1%} | {peak:.1f} |")

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from experiments.e2e_table import ratio_cell
+from experiments.e2e_table import attention_overrides, ratio_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,6 +21,19 @@ def test_ratio_cell_takes_medians_of_round_ratios():
     assert ratio_cell(medians, rounds, point, "sdpa", "flash") == "0.990 [0.667-1.010]"
     assert ratio_cell(medians, {}, point, "sdpa", "flash") == "0.990"
     assert ratio_cell(medians, rounds, point, "sdpa", "naive") == "-"
+
+
+def test_attention_entry_sets_its_kernel_config():
+    """`name@key=value;key=value` composes the named attention with those keys of its config set (mapping values
+    merged as Hydra merges them); a plain name changes nothing else."""
+    from hydra import compose, initialize_config_dir
+    assert attention_overrides("sdpa") == ["attention_impl=sdpa"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config",
+                      overrides=attention_overrides("flash_triton@ws_min_rows={64:2048};backward=two_pass"))
+    assert cfg.attention_impl.name == "flash_triton"
+    assert cfg.attention_impl.config.backward == "two_pass"
+    assert dict(cfg.attention_impl.config.ws_min_rows) == {64: 2048, 80: 2048, 96: 2048, 128: 1024}
 
 
 def test_interleaved_run_writes_a_ratio_with_its_range(tmp_path):
