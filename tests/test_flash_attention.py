@@ -879,24 +879,30 @@ def _frag_position(rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor
 
 
 @needs_triton
-def test_ws_dq_buffer_order_is_undone_by_ws_dq_finish():
-    """`ws_dq_finish` (its Triton kernel) reads a d = 64 / 128 dQ buffer laid out as the accumulators hold it (built
-    here from the documented element positions), scaled into dQ's own layout: whole tiles into a non-dense dQ, and
-    a ragged last tile (the buffer padded to whole tiles)."""
+@pytest.mark.parametrize("d", [64, 80, 96, 128])
+@pytest.mark.parametrize("n_q", [128, 200])
+def test_ws_dq_buffer_order_is_undone_by_ws_dq_finish(d, n_q):
+    """`ws_dq_finish` (its Triton kernel) reads a dQ buffer laid out as the Gluon backward writes it (built here
+    from the documented element positions: every query tile's 64-column blocks as the accumulators hold them, then
+    at d = 80 / 96 all tails row-major), scaled into dQ's own layout: whole tiles into a non-dense dQ, and a ragged
+    last tile (the buffer padded to whole tiles)."""
     from core.kernels.flash_triton import hopper
-    for n_q, d in ((128, 128), (200, 128), (128, 64), (200, 64)):
-        z, h = 2, 3
-        ref = torch.randn(z, h, n_q, d, dtype=torch.float64)
-        acc = hopper.ws_dq_buffer(torch.empty(z, h, n_q, d))
-        tiles = acc.shape[2] // 64
-        assert acc.shape == (z, h, tiles * 64, d) and acc.dtype == torch.float32
-        flat = acc.view(z, h, tiles, d // 64, 64 * 64)
-        rows, cols = torch.meshgrid(torch.arange(n_q), torch.arange(d), indexing="ij")
-        half, pos = _frag_position(rows % 64, cols)
-        flat[:, :, rows // 64, half, pos] = ref.float()
-        dq = torch.empty(z, n_q, h, d, dtype=torch.bfloat16).transpose(1, 2)  # (B, T, H, d) viewed (B, H, T, d)
-        hopper.ws_dq_finish(acc, dq, 0.125)
-        assert torch.allclose(dq.double(), 0.125 * ref, rtol=1e-2, atol=1e-2)
+    z, h = 2, 3
+    blocks = d // 64
+    ref = torch.randn(z, h, n_q, d, dtype=torch.float64)
+    acc = hopper.ws_dq_buffer(torch.empty(z, h, n_q, d))
+    tiles = acc.shape[2] // 64
+    assert acc.shape == (z, h, tiles * 64, d) and acc.dtype == torch.float32
+    main = acc.view(-1)[:z * h * tiles * 64 * 64 * blocks].view(z, h, tiles, blocks, 64 * 64)
+    rows, cols = torch.meshgrid(torch.arange(n_q), torch.arange(64 * blocks), indexing="ij")
+    block, pos = _frag_position(rows % 64, cols)
+    main[:, :, rows // 64, block, pos] = ref[..., :64 * blocks].float()
+    if d % 64:
+        tail = acc.view(-1)[z * h * tiles * 64 * 64 * blocks:].view(z, h, tiles * 64, d % 64)
+        tail[:, :, :n_q] = ref[..., 64 * blocks:].float()
+    dq = torch.empty(z, n_q, h, d, dtype=torch.bfloat16).transpose(1, 2)  # (B, T, H, d) viewed (B, H, T, d)
+    hopper.ws_dq_finish(acc, dq, 0.125)
+    assert torch.allclose(dq.double(), 0.125 * ref, rtol=1e-2, atol=1e-2)
 
 
 def test_ws_dq_shared_layout_is_the_accumulator_order():

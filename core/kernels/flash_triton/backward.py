@@ -345,12 +345,13 @@ if HAVE_TRITON:
                          IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N, False)
 
     @triton.jit
-    def _ws_dq_finish_kernel(ACC, DQ, stride_dqz, stride_dqh, stride_dqm, n_heads, n_q, tiles, sm_scale,
-                             BLOCKS: tl.constexpr):
-        """dQ = sm_scale * the Gluon backward's fp32 dQ buffer at d = 64 BLOCKS (`hopper.ws_dq_buffer`): a program per
-        64-row query tile, whose BLOCKS x 4096 floats the buffer holds as (block, w, lr, lc, j, h, e) for the tile's
-        row 16 w + 8 h + lr and column 64 block + 8 j + 2 lc + e; read in that order, written row-major (rows past
-        n_q not). In PyTorch the same permutation as one strided multiply took about twice a plain multiply's time."""
+    def _ws_dq_finish_kernel(ACC, TAIL_ACC, DQ, stride_dqz, stride_dqh, stride_dqm, n_heads, n_q, tiles, sm_scale,
+                             BLOCKS: tl.constexpr, TAIL: tl.constexpr):
+        """dQ = sm_scale * the Gluon backward's fp32 dQ buffer at d = 64 BLOCKS + TAIL (`hopper.ws_dq_buffer`): a
+        program per 64-row query tile, whose BLOCKS x 4096 floats the buffer holds as (block, w, lr, lc, j, h, e) for
+        the tile's row 16 w + 8 h + lr and column 64 block + 8 j + 2 lc + e, and whose TAIL columns TAIL_ACC holds
+        row-major (64 rows a tile); read in that order, written row-major (rows past n_q not). In PyTorch the same
+        permutation as one strided multiply took about twice a plain multiply's time."""
         pid = tl.program_id(0)
         pid_zh = pid // tiles
         tile = pid % tiles
@@ -361,8 +362,13 @@ if HAVE_TRITON:
         cols = tl.arange(0, BLOCKS * 64)
         off_z = (pid_zh // n_heads).to(tl.int64)
         off_h = (pid_zh % n_heads).to(tl.int64)
-        tl.store(DQ + off_z * stride_dqz + off_h * stride_dqh + rows[:, None] * stride_dqm + cols[None, :],
-                 (x * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None] < n_q)
+        dq_rows = DQ + off_z * stride_dqz + off_h * stride_dqh + rows[:, None] * stride_dqm
+        tl.store(dq_rows + cols[None, :], (x * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None] < n_q)
+        if TAIL > 0:
+            tail_cols = tl.arange(0, TAIL)
+            t = tl.load(TAIL_ACC + (pid.to(tl.int64) * 64 + tl.arange(0, 64))[:, None] * TAIL + tail_cols[None, :])
+            tl.store(dq_rows + BLOCKS * 64 + tail_cols[None, :], (t * sm_scale).to(DQ.dtype.element_ty),
+                     mask=rows[:, None] < n_q)
 
     @triton.jit
     def _bwd_delta_kernel(O, DO, LSE, STATS, DQ_ACC, stride_oz, stride_oh, stride_om, stride_doz, stride_doh,

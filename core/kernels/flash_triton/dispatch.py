@@ -285,7 +285,7 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     if atomic_dq:  # the row stats first; the dK/dV pass then adds dS K into an fp32 buffer
         if ws:
             from core.kernels.flash_triton import hopper
-            dq_acc = hopper.ws_dq_buffer(q)  # its own layout at d = 128
+            dq_acc = hopper.ws_dq_buffer(q)  # its own layout (`ws_dq_buffer`)
         else:
             dq_acc = torch.empty((z, h, n_q, d), device=q.device, dtype=torch.float32)  # zeroed by the delta kernel
         _run(_bwd_delta_kernel, (z * h, _cdiv(n_q, 64)),

@@ -43,10 +43,11 @@ Shared memory sets the ring: K and V 64 KB, dS^T 32 KB, the dQ blocks 32 KB, and
 Head dims 80 and 96 take the same path with the head dim as a 64-wide main part and a tail (`common._TILE_D`:
 80 = 64 + 16, 96 = 64 + 32; shared-memory and register tiles are powers of two), each with its own TMA descriptors,
 shared-memory buffers and accumulators: S^T and dP^T are two wgmmas into one accumulator, dV and dK one per part,
-and the first warpgroup computes and reduces dQ's main part, the second its tail. Run in 128-wide tiles instead
-(the columns past d zeros), the kernel took 1.08-1.15x this time at d = 80 and 1.01-1.09x at 96 (the tiles did
-1.6x / 1.33x the matmul work). With fewer registers and bytes a stage than at 128, the ring has 4 stages loaded 3
-ahead (179 / 207 KB of shared memory in all).
+and the first warpgroup computes and reduces dQ's main part (in the accumulator's order, like d = 128's halves), the
+second its tail (row-major, after all the main parts in the dQ buffer). Run in 128-wide tiles instead (the columns
+past d zeros), the kernel took 1.08-1.15x this time at d = 80 and 1.01-1.09x at 96 (the tiles did 1.6x / 1.33x the
+matmul work). With fewer registers and bytes a stage than at 128, the ring has 4 stages loaded 3 ahead (179 / 207 KB
+of shared memory in all).
 
 Scope (`ws_applies`): compiled CUDA on sm_90, fp16 / bf16, head dim 64, 80, 96 or 128, 16-byte aligned Q / dO rows
 and an even N_q (each head's (lse2, delta) rows must start 16-byte aligned for the TMA); everything else runs the
@@ -107,12 +108,13 @@ BLOCK_M, BLOCK_N = 64, 64
 WS_KEYS = 2 * BLOCK_N
 WS_RING = {64: (6, 3), 80: (4, 3), 96: (4, 3), 128: (3, 2)}
 WS_REGS = 256
-# d = 64 and 128: each 64 x 64 fp32 dQ block goes to shared memory in its wgmma accumulator's order, a thread's 32
-# values one 128-byte row (`FRAG_ROWS` rows of 32), and into an fp32 dQ buffer laid out in that order (`ws_dq_buffer`,
-# `ws_dq_finish`). Stored in the block's row-major (swizzled) order, each 8-byte store met another thread's in a
-# bank (ncu at d = 128: twice the ideal wavefronts, 20% of the kernel's stall samples waiting on the store queue); a
-# row a thread takes 16-byte stores that no two threads of a quarter-warp share a bank for. The backward took
-# 0.92-0.95x its former time at d = 128 and 0.91-0.96x at 64 (1024-16384 rows).
+# Each 64 x 64 fp32 dQ block (at 80 / 96 the main part's) goes to shared memory in its wgmma accumulator's order,
+# a thread's 32 values one 128-byte row (`FRAG_ROWS` rows of 32), and into an fp32 dQ buffer laid out in that order
+# (`ws_dq_buffer`, `ws_dq_finish`). Stored in the block's row-major (swizzled) order, each 8-byte store met another
+# thread's in a bank (ncu at d = 128: twice the ideal wavefronts, 20% of the kernel's stall samples waiting on the
+# store queue); a row a thread takes 16-byte stores that no two threads of a quarter-warp share a bank for. The
+# backward took 0.92-0.95x its former time at d = 128, 0.91-0.96x at 64 (1024-16384 rows), 0.95-0.96x at 80 and
+# 0.91-0.97x at 96 (2048-16384 rows).
 FRAG_ROWS, FRAG_COLS = 128, 32
 
 
@@ -412,7 +414,8 @@ if HAVE_GLUON:
         offs_m0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
         dq_cols: gl.constexpr = dq_buf.shape[1]
         zero_q = gl.zeros([BLOCK_M, dq_cols], gl.float32, layout=mma_q)
-        # d = 128: the dQ buffer's query-tile blocks of this head start here, 2 FRAG_ROWS rows each (`_DQ_FRAG`)
+        # this head's first query tile in the dQ buffer's blocks in the accumulators' order (`_DQ_FRAG`): at 128 both
+        # warpgroups' halves, 2 FRAG_ROWS rows a tile; at 80 / 96 the first warpgroup's main part, FRAG_ROWS a tile
         frag_row0 = (stats_row // n_q) * gl.cdiv(n_q, BLOCK_M)
         keys: gl.constexpr = k_smem.shape[1]
         parts: gl.constexpr = 2 if D_TAIL > 0 else 1  # wgmmas per product over the head dim
@@ -485,7 +488,10 @@ if HAVE_GLUON:
             if D_TAIL == 0:  # d = 128: this warpgroup's half of the block, in the accumulator's order
                 _tma_add(dq_desc, [((frag_row0 + start_m // BLOCK_M) * 2 + ROLE) * _FRAG_ROWS, 0],
                          dq_buf._reinterpret(gl.float32, [_FRAG_ROWS, _FRAG_COLS], _DQ_FRAG_TMA))
-            else:
+            elif ROLE == 0:  # d = 80 / 96: the main part, in the accumulator's order
+                _tma_add(dq_desc, [(frag_row0 + start_m // BLOCK_M) * _FRAG_ROWS, 0],
+                         dq_buf._reinterpret(gl.float32, [_FRAG_ROWS, _FRAG_COLS], _DQ_FRAG_TMA))
+            else:  # the tail, row-major
                 _tma_add(dq_desc, [z, h, start_m, 0], dq_buf.reshape([1, 1, BLOCK_M, dq_cols]))
             it += 1
         return it, dk, dv, dkt, dvt
@@ -628,13 +634,12 @@ if HAVE_GLUON:
                 vt_smem = v_smem
             DQ0: gl.constexpr = HEAD_DIM if D_TAIL > 0 else HEAD_DIM // 2
             DQ1: gl.constexpr = D_TAIL if D_TAIL > 0 else HEAD_DIM // 2
+            # 64-column blocks in the accumulator's order (`_DQ_FRAG`); a tail row-major
+            dq0_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQ0], _DQ_FRAG)
             if D_TAIL > 0:
-                dq0_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQ0],
-                                                     gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ0], gl.float32))
                 dq1_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQ1],
                                                      gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ1], gl.float32))
-            else:  # d = 128: in the accumulator's order (`_DQ_FRAG`)
-                dq0_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQ0], _DQ_FRAG)
+            else:
                 dq1_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQ1], _DQ_FRAG)
             gl.warp_specialize([
                 (_ws_warpgroup_wide, (0, K, V, DK, DV, q_desc, do_desc, qt_desc, dot_desc, stats_desc, dq_desc,
@@ -715,40 +720,48 @@ def part_descs(t: Tensor, rows: int, main: int, tail: int) -> tuple:
 
 def ws_descs(q: Tensor, do: Tensor, stats: Tensor, dq_acc: Tensor) -> list:
     """`_bwd_ws_kernel`'s TMA descriptors: Q and dO in their main part and tail (`part_descs`); the (lse2, delta)
-    pairs as fp32 over all heads' rows (in the kernel: int64, a pair each); the dQ buffer (`ws_dq_buffer`): at d = 64
-    and 128 in rows of FRAG_COLS floats (the accumulator's order), at 80 / 96 the main part and the tail each
-    warpgroup reduces."""
+    pairs as fp32 over all heads' rows (in the kernel: int64, a pair each); the dQ buffer (`ws_dq_buffer`): its
+    64-column blocks in rows of FRAG_COLS floats (the accumulator's order), at 80 / 96 also the row-major tail."""
     main, tail = common._TILE_D[q.shape[3]]
     q_desc, qt_desc = part_descs(q, BLOCK_M, main, tail)
     do_desc, dot_desc = part_descs(do, BLOCK_M, main, tail)
     stats_desc = tma_desc(stats.view(-1), (2 * BLOCK_M,), swizzled=False)
-    if not tail:
-        dq_desc = tma_desc(dq_acc.view(-1, FRAG_COLS), (FRAG_ROWS, FRAG_COLS))
-        return [q_desc, do_desc, qt_desc, dot_desc, stats_desc, dq_desc, dq_desc]
-    return [q_desc, do_desc, qt_desc, dot_desc, stats_desc, *part_descs(dq_acc, BLOCK_M, main, tail)]
+    blocks, tail_acc = ws_dq_parts(dq_acc)
+    dq_desc = tma_desc(blocks.view(-1, FRAG_COLS), (FRAG_ROWS, FRAG_COLS))
+    dqt_desc = tma_desc(tail_acc, (1, 1, BLOCK_M, tail)) if tail else dq_desc
+    return [q_desc, do_desc, qt_desc, dot_desc, stats_desc, dq_desc, dqt_desc]
 
 
 def ws_dq_buffer(q: Tensor) -> Tensor:
     """The fp32 buffer `_bwd_ws_kernel` adds the unscaled dQ into, for 4-D q (Z, H, N_q, d), zeroed by the delta
-    kernel: (Z, H, N_q, d) contiguous at d = 80 / 96; at d = 64 and 128 each 64-row query tile's 64-column blocks
-    in their wgmma accumulators' order (`_DQ_FRAG`), the last tile padded to 64 rows (then zeroed here: the delta
-    kernel zeroes N_q rows' worth)."""
+    kernel: (Z, H, P, d) floats, P = N_q padded to whole 64-row query tiles (then zeroed here: the delta kernel
+    zeroes N_q rows' worth), holding each query tile's 64-column blocks in their wgmma accumulators' order
+    (`_DQ_FRAG`), and at d = 80 / 96 after all of them the tails, (Z, H, P, d - 64) row-major (`ws_dq_parts`)."""
     z, h, n_q, d = q.shape
-    if d not in (64, 128) or n_q % BLOCK_M == 0:
+    if n_q % BLOCK_M == 0:
         return torch.empty((z, h, n_q, d), device=q.device, dtype=torch.float32)
     return torch.zeros((z, h, _cdiv(n_q, BLOCK_M) * BLOCK_M, d), device=q.device, dtype=torch.float32)
 
 
+def ws_dq_parts(dq_acc: Tensor) -> tuple[Tensor, Tensor | None]:
+    """`ws_dq_buffer`'s two regions: the blocks in the accumulators' order, (Z * H * P / 64, d // 64 * 4096), and
+    the tails, (Z, H, P, d - 64) (None without a tail)."""
+    z, h, p, d = dq_acc.shape
+    main, tail = common._TILE_D[d]
+    flat = dq_acc.view(-1)
+    blocks = flat[:z * h * p * main].view(-1, main // 64 * 4096)
+    return blocks, flat[z * h * p * main:].view(z, h, p, tail) if tail else None
+
+
 def ws_dq_finish(dq_acc: Tensor, dq: Tensor, sm_scale: float) -> None:
     """dq = sm_scale * the dQ in `ws_dq_buffer`'s dq_acc, written in dq's own layout."""
-    z, h, n_q, d = dq.shape
-    if d not in (64, 128):
-        torch.mul(dq_acc, sm_scale, out=dq)
-        return
     from core.kernels.flash_triton.backward import _ws_dq_finish_kernel
-    tiles = dq_acc.shape[2] // BLOCK_M
-    launch._run(_ws_dq_finish_kernel, (z * h * tiles,), (dq_acc, dq, *dq.stride()[:3], h, n_q, tiles, sm_scale), 2,
-                BLOCKS=d // 64, num_warps=8 if d == 128 else 4)
+    z, h, n_q, d = dq.shape
+    main, tail = common._TILE_D[d]
+    blocks, tail_acc = ws_dq_parts(dq_acc)
+    launch._run(_ws_dq_finish_kernel, (blocks.shape[0],),
+                (blocks, blocks if tail_acc is None else tail_acc, dq, *dq.stride()[:3], h, n_q,
+                 dq_acc.shape[2] // BLOCK_M, sm_scale), 3, BLOCKS=main // 64, TAIL=tail, num_warps=8 if d == 128 else 4)
 
 
 def launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_scale, is_causal) -> None:
