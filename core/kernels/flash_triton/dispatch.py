@@ -210,12 +210,13 @@ def _ws_ok(q: Tensor, do: Tensor, d: int, cfg: FlashConfig = DEFAULT_CONFIG) -> 
 def _default_bwd(q4: Tensor, k4: Tensor, do4: Tensor, cfg: FlashConfig = DEFAULT_CONFIG) -> int:
     """The backward variant for these 4-D operands: `cfg.backward` unless "auto". "auto": the fused kernel on
     small grids (`_use_fused`), the warp-specialised Gluon kernel on Hopper from `cfg.ws_rows(d)` query rows on,
-    else two passes. Measured on the H100 (bf16, batch x heads x rows about 16 x 1M, causal), the Gluon kernel's
-    time against the two-pass backward's at 512 / 1024 / 2048 / 4096 / 8192 rows: d = 64, 1.34 / 1.10 / 0.99 / 0.90
-    / 0.86x (without the mask 1.22x at 512, 0.98x at 2048; with 8 x 16 heads at 2048, 1.09x); d = 80, 1.14 / - /
-    0.93 / - / 0.88x; d = 96, 1.18 / 1.02 / 0.93 / - / 0.85x; d = 128, 1.10 / 0.95 / 0.91 / - / 0.84x. On short rows
-    its fixed costs weigh more (the delta kernel, the fp32 dQ buffer's zeros and cast, a program's set-up). The
-    Gluon kernel's fp32 reductions add in any order: not under torch.use_deterministic_algorithms."""
+    else two passes. Measured on the H100 (bf16, batch x heads x rows about 16 x 1M, causal, calls back to back),
+    the Gluon kernel's time against the two-pass backward's at 512 / 1024 / 2048 / 4096 / 8192 rows: d = 64, 1.34 /
+    1.16 / 1.07 / 1.00 / 0.92x (without the mask 1.21x at 512, 1.04x at 2048, 0.90x at 8192; with 8 x 16 heads at
+    2048, 1.06x); d = 80, 1.15 / 1.03 / 1.01 / 0.96 / 0.91x; d = 96, 1.20 / 1.07 / 1.00 / 0.98 / 0.93x; d = 128,
+    1.11 / 0.95 / 0.88 / 0.84 / 0.79x. On short rows its fixed costs weigh more (the delta kernel, the fp32 dQ
+    buffer's zeros and cast, a program's set-up). The Gluon kernel's fp32 reductions add in any order: not under
+    torch.use_deterministic_algorithms."""
     if cfg.backward != "auto":
         return _BWD_NAMES[cfg.backward]
     z, h, n_q, d = q4.shape
