@@ -10,7 +10,9 @@ Standalone (torch, triton, numpy only; no hydra), one command per table:
 The `training` preset is the grid a training run hands the kernel: B x H x S about 1M (B x S = 64K tokens,
 S = 512 to 16384, H = 16), head dims 64, 80 (the CS336 xl / 2.7B models), 96 and 128, bf16 (`--dtypes bf16,fp16`
 adds fp16; `--causal both` adds non-causal rows; `--gqa` adds grouped-query rows, 4 query heads per KV head), ours
-against SDPA's flash and cuDNN backends, medians over 3 interleaved rounds.
+against SDPA's flash and cuDNN backends, medians over 3 interleaved rounds. `--layout model` hands every
+implementation its inputs as the model does (q, k, v views of the fused projection, dO laid out (B, S, H, d))
+instead of dense (B, H, S, d) tensors.
 
 The table is printed and written to `--out` (default `outputs/bench/attention_bench/<time>_<preset>.md`).
 
@@ -70,10 +72,28 @@ class Shape(NamedTuple):
     dtype: torch.dtype
     causal: bool = True
     kv_heads: int = 0  # 0: as many as q
+    layout: str = "dense"  # or "model": `make_inputs`
 
     @property
     def kv(self) -> int:
         return self.kv_heads or self.h
+
+
+LAYOUTS = ("dense", "model")
+
+
+def make_inputs(shape: Shape, device: str = "cuda") -> tuple[torch.Tensor, ...]:
+    """q, k, v (requiring grad) and dO for a row: dense (B, H, S, d) tensors, or laid out as the model hands them
+    over (layout "model"): q, k, v views of one fused (B, S, H + 2 KV, d) projection, dO a (B, S, H, d) tensor
+    seen as (B, H, S, d), the output projection's gradient."""
+    b, h, s, d, dtype = shape[:5]
+    if shape.layout == "model":
+        qkv = torch.randn(b, s, h + 2 * shape.kv, d, device=device, dtype=dtype, requires_grad=True)
+        q, k, v = qkv.transpose(1, 2).split([h, shape.kv, shape.kv], dim=1)
+        return q, k, v, torch.randn(b, s, h, d, device=device, dtype=dtype).transpose(1, 2)
+    q = torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, shape.kv, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    return q, k, v, torch.randn(b, h, s, d, device=device, dtype=dtype)
 
 ALL_IMPLS = ("naive", "compiled", "sdpa_flash", "sdpa_cudnn", "flash_torch", "flash_triton", "flash_triton_atomic",
              "flash_triton_fused")
@@ -188,22 +208,24 @@ def graph_ms(step, warmup: int, rep: int) -> float:
 
 
 def _measure(fn_causal, res: dict, shape: Shape, warmup, rep, graph: bool = False) -> None:
-    b, h, s, d, dtype = shape[:5]
-    q = torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(b, shape.kv, s, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
-    do = torch.randn(b, h, s, d, device="cuda", dtype=dtype)
+    q, k, v, do = make_inputs(shape)
 
     def fn(q, k, v):
         return fn_causal(q, k, v, shape.causal)
+    leaves = [q, k, v] if q._base is None else [q._base]  # the model layout's grads land in the projection
+
+    def clear_grads():
+        for t in leaves:
+            t.grad = None
     fn(q, k, v).backward(do)  # compile / autotune outside the timings
-    q.grad = k.grad = v.grad = None
+    clear_grads()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     fn(q, k, v).backward(do)
     torch.cuda.synchronize()
     res["mem_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-    q.grad = k.grad = v.grad = None
+    clear_grads()
     with torch.no_grad():
         res["fwd"] = do_bench(lambda: fn(q, k, v), warmup=warmup, rep=rep, return_mode="median")
     out = fn(q, k, v)
@@ -398,6 +420,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", default=None, help="comma-separated head dims (sweep)")
     ap.add_argument("--causal", choices=("yes", "no", "both"), default="yes", help="training preset: causal rows, "
                     "non-causal rows, or both")
+    ap.add_argument("--layout", choices=LAYOUTS, default="dense", help="inputs as dense (B, H, S, d) tensors, or "
+                    "as the model hands them over: q, k, v views of its fused projection, dO laid out (B, S, H, d)")
     ap.add_argument("--gqa", action="store_true", help="training preset: also grouped-query rows (4 query heads "
                     "per KV head; SDPA with enable_gqa, flash_triton natively, the others with k and v expanded)")
     ap.add_argument("--dtypes", default=None, help="default bf16,fp32 (training preset: bf16)")
@@ -466,7 +490,8 @@ def main(argv=None) -> int:
             + ", ".join(f"{str(t)[6:]} {c:.0f} TFLOP/s" for t, c in ceilings.items())
             + f"; do_bench warmup={warmup} ms rep={rep} ms, median"]
     print(out[-1], flush=True)
-    label = f"{args.preset}: causal, times in ms" + (f", medians of {args.rounds} rounds" if args.rounds > 1 else "")
+    configs = [c._replace(layout=args.layout) for c in configs]
+    label = f"{args.preset}: causal, times in ms" + (", the model's layout" if args.layout == "model" else "") + (f", medians of {args.rounds} rounds" if args.rounds > 1 else "")
     results = run_table(configs, impls, warmup, rep, ceilings, out, label, args.graph, args.rounds)
     ratio_summary(results, impls, out, args.graph)
     if args.preset == "leaderboard" and "flash_triton" in impls:

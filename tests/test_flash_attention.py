@@ -551,6 +551,22 @@ def test_errors(fn, bad, match):
         fn(q, k, v, True)
 
 
+def test_bench_model_layout_inputs():
+    """--layout model: q, k, v are views of one fused (B, S, H + 2 KV, d) projection at the model's strides, and dO
+    is a (B, S, H, d) tensor seen as (B, H, S, d); dense: contiguous (B, H, S, d) leaves."""
+    from experiments import attention_bench as bench
+    b, h, s, d, kv = 2, 4, 8, 16, 2
+    q, k, v, do = bench.make_inputs(bench.Shape(b, h, s, d, torch.float32, True, kv, "model"), device="cpu")
+    width = (h + 2 * kv) * d
+    assert q.shape == (b, h, s, d) and k.shape == v.shape == (b, kv, s, d) and do.shape == (b, h, s, d)
+    for t in (q, k, v):
+        assert t.stride() == (s * width, d, width, 1) and t._base is q._base and q._base.requires_grad
+    assert (k.data_ptr() - q.data_ptr(), v.data_ptr() - k.data_ptr()) == (h * d * 4, kv * d * 4)
+    assert do.stride() == (s * h * d, d, h * d, 1)
+    q, k, v, do = bench.make_inputs(bench.Shape(b, h, s, d, torch.float32, True, kv), device="cpu")
+    assert all(t.is_contiguous() and t.is_leaf and t.requires_grad for t in (q, k, v)) and do.is_contiguous()
+
+
 def test_bench_round_medians():
     """--rounds: each mode's median over the rounds; a failed round marks the cell."""
     import experiments.attention_bench as bench
