@@ -491,7 +491,8 @@ def main(argv=None) -> int:
             + f"; do_bench warmup={warmup} ms rep={rep} ms, median"]
     print(out[-1], flush=True)
     configs = [c._replace(layout=args.layout) for c in configs]
-    label = f"{args.preset}: causal, times in ms" + (", the model's layout" if args.layout == "model" else "") + (f", medians of {args.rounds} rounds" if args.rounds > 1 else "")
+    label = (f"{args.preset}: causal, times in ms" + (", the model's layout" if args.layout == "model" else "")
+             + (f", medians of {args.rounds} rounds" if args.rounds > 1 else ""))
     results = run_table(configs, impls, warmup, rep, ceilings, out, label, args.graph, args.rounds)
     ratio_summary(results, impls, out, args.graph)
     if args.preset == "leaderboard" and "flash_triton" in impls:
