@@ -6,7 +6,9 @@
 
 An `--attention` entry may set its kernel's configuration after `@`: `flash_triton@ws_min_rows=2048;backward=fused`
 sets `attention_impl.config.ws_min_rows=2048` and `attention_impl.config.backward=fused` (the same kernel under two
-policies, side by side). With several `--attention` implementations each (size, precision, mode) row is measured for each of them in
+policies, side by side).
+
+With several `--attention` implementations each (size, precision, mode) row is measured for each of them in
 the same process, and a last table gives each one's median step time over the first one's; `--interleave R` builds
 their models together and alternates R rounds of their timed steps (for ratios of a percent or two: the GPU's state
 drifts between one model's run and the next's; peak memory then counts every model's), and the ratio table then
