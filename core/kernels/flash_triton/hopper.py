@@ -414,9 +414,10 @@ if HAVE_GLUON:
         offs_m0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_s))
         dq_cols: gl.constexpr = dq_buf.shape[1]
         zero_q = gl.zeros([BLOCK_M, dq_cols], gl.float32, layout=mma_q)
-        # this head's first query tile in the dQ buffer's blocks in the accumulators' order (`_DQ_FRAG`): at 128 both
-        # warpgroups' halves, 2 FRAG_ROWS rows a tile; at 80 / 96 the first warpgroup's main part, FRAG_ROWS a tile
+        # this head's first query tile in the dQ buffer's blocks in the accumulators' order (`_DQ_FRAG`), a tile's
+        # blocks FRAG_ROWS rows each: at 128 both warpgroups' halves, at 80 / 96 the first warpgroup's main part
         frag_row0 = (stats_row // n_q) * gl.cdiv(n_q, BLOCK_M)
+        blocks: gl.constexpr = 2 if D_TAIL == 0 else 1
         keys: gl.constexpr = k_smem.shape[1]
         parts: gl.constexpr = 2 if D_TAIL > 0 else 1  # wgmmas per product over the head dim
         for start_m in range(start, end, BLOCK_M):
@@ -485,11 +486,8 @@ if HAVE_GLUON:
             dq_buf.store(dq)
             fence_async_shared()
             _barrier()
-            if D_TAIL == 0:  # d = 128: this warpgroup's half of the block, in the accumulator's order
-                _tma_add(dq_desc, [((frag_row0 + start_m // BLOCK_M) * 2 + ROLE) * _FRAG_ROWS, 0],
-                         dq_buf._reinterpret(gl.float32, [_FRAG_ROWS, _FRAG_COLS], _DQ_FRAG_TMA))
-            elif ROLE == 0:  # d = 80 / 96: the main part, in the accumulator's order
-                _tma_add(dq_desc, [(frag_row0 + start_m // BLOCK_M) * _FRAG_ROWS, 0],
+            if D_TAIL == 0 or ROLE == 0:  # a 64-column block in the accumulator's order (128: halves; 80 / 96: main)
+                _tma_add(dq_desc, [((frag_row0 + start_m // BLOCK_M) * blocks + ROLE) * _FRAG_ROWS, 0],
                          dq_buf._reinterpret(gl.float32, [_FRAG_ROWS, _FRAG_COLS], _DQ_FRAG_TMA))
             else:  # the tail, row-major
                 _tma_add(dq_desc, [z, h, start_m, 0], dq_buf.reshape([1, 1, BLOCK_M, dq_cols]))
