@@ -212,6 +212,41 @@ def test_outputs_of_fused_projection_views_are_dense_in_the_model_order():
     assert all(g.transpose(1, 2).is_contiguous() for g in grads)
 
 
+def test_dense_like_keeps_the_layout_rule_per_operand_layout(monkeypatch):
+    """`_dense_like` computes an operand layout's output strides once (then `empty_strided`): for a dense tensor, a
+    transposed one, fused-projection views, an expanded GQA key (stride 0) and size-1 dims, its first and its later
+    outputs are laid out as the rule (`_dense_layout`) lays them out, each in new storage."""
+    monkeypatch.setattr(ftd, "_DENSE_STRIDES", {})
+    base = torch.randn(2, 37, 8, 16)
+    operands = [torch.randn(2, 4, 37, 16), base.transpose(1, 2), *base.transpose(1, 2).split([4, 2, 2], dim=1),
+                torch.randn(2, 1, 37, 16).expand(2, 4, 37, 16), torch.randn(1, 4, 1, 16)[:, :, :1],
+                torch.randn(2, 37, 1, 16).transpose(1, 2)]
+    for x in operands:
+        want = ftd._dense_layout(x).stride()
+        outs = [ftd._dense_like(x) for _ in range(3)]
+        assert all(o.shape == x.shape and o.stride() == want and o.dtype == x.dtype for o in outs)
+        assert len({o.data_ptr() for o in outs}) == 3
+    assert len(ftd._DENSE_STRIDES) == len(operands) - 1  # the k and v views have one layout
+
+
+@needs_triton
+def test_tma_desc_reuses_a_geometry_fields_and_checks_alignment(monkeypatch):
+    """A TMA descriptor over a tensor of a geometry seen before is the validated one's fields over the new tensor;
+    a base off 16-byte alignment is still refused."""
+    from core.kernels.flash_triton import hopper
+    if not hopper.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(hopper, "_DESC_FIELDS", {})
+    a, b = (torch.zeros(2, 3, 128, 64, dtype=torch.bfloat16) for _ in range(2))
+    first, second = hopper.tma_desc(a, (1, 1, 64, 64)), hopper.tma_desc(b, (1, 1, 64, 64))
+    fresh = hopper.TensorDescriptor(b, list(b.shape), list(b.stride()), [1, 1, 64, 64], first.layout)
+    assert first.base is a and second.base is b and type(second) is type(fresh)
+    assert {n: getattr(second, n) for n in vars(fresh)} == {n: getattr(fresh, n) for n in vars(fresh)}
+    flat = torch.zeros(2 * 3 * 128 * 64 + 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        hopper.tma_desc(torch.as_strided(flat, a.shape, a.stride(), 4), (1, 1, 64, 64))
+
+
 @pytest.mark.parametrize("fn", IMPLS)
 @pytest.mark.parametrize("views", VIEW_COMBOS, ids=lambda c: "views_" + ("".join(n for n, on in zip("qkv", c) if on)
                                                                          or "none"))
@@ -507,6 +542,41 @@ def test_torch_compile_fullgraph(cfg):
 
 
 @needs_triton
+def test_torch_compile_passes_the_model_do_view_without_a_copy():
+    """Compiled, the backward hands the custom op dO as the model makes it, a (B, T, H, d) view, not a contiguous
+    copy: Dynamo copies a gradient whose strides an autograd.Function's backward reads while it is traced, so the
+    Function must not read them. The gradients equal eager's."""
+    from torch._dynamo.backends.common import aot_autograd
+    torch.manual_seed(6)
+    b, t, h, d = 2, 24, 2, 16
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def f(qkv, w):
+        q, k, v = qkv.transpose(1, 2).split([h, h, h], dim=1)
+        return FlashAttentionTriton.apply(q, k, v, True).transpose(1, 2).reshape(b, t, h * d) @ w
+
+    qkv = torch.randn(b, t, 3 * h, d, device=DEVICE, requires_grad=True)
+    w = torch.randn(h * d, 8, device=DEVICE, requires_grad=True)
+    compiled = torch.compile(f, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    grads = torch.autograd.grad(compiled(qkv, w).square().sum(), (qkv, w))
+    ref = torch.autograd.grad(f(qkv, w).square().sum(), (qkv, w))
+    assert all((g - r).abs().max() < 1e-5 for g, r in zip(grads, ref))
+    backward = graphs[-1].graph
+    [op] = [n for n in backward.nodes if n.target is torch.ops.scalelab.flash_attn_bwd.default]
+    producers, todo = set(), [op.args[0]]
+    while todo:  # dO's producers back to the matmul's gradient: views only
+        node = todo.pop()
+        producers.add(node.target)
+        if node.target is not torch.ops.aten.mm.default:
+            todo += [a for a in node.args if isinstance(a, torch.fx.Node)]
+    assert torch.ops.aten.clone.default not in producers, producers
+
+
+@needs_triton
 def test_custom_op_registered():
     q, k, v = (torch.randn(1, 1, 8, 16, device=DEVICE) for _ in range(3))
     out, lse = torch.ops.scalelab.flash_attn_fwd(q, k, v, True)
@@ -748,6 +818,48 @@ def test_direct_launch_cache_matches_triton_specialization(monkeypatch):
     direct = calls[1][1]
     assert direct[:4] == (2, 3, 1, 7) and direct[4:6] == ("fn", (4, 1, 0))
     assert direct[9:11] == (x, y) and direct[11:] == (5, 0.5, 1, 2)  # constexprs A, B after the runtime args
+
+
+@needs_triton
+def test_replay_relaunches_a_direct_launch_with_new_tensors(monkeypatch):
+    """`_run(..., replay=True)` gives a `Replay` only for a direct launch that ran (not the first, compiling one);
+    the replay launches the same compiled kernel at the same grid, scalars and constexprs with new leading
+    tensors, without hooks or metadata."""
+    calls = []
+    raw = _recording_kernel(monkeypatch, ["X", "Y", "n", "A"], calls)
+    x, y, x2, y2 = (torch.zeros(64) for _ in range(4))
+    assert ftl._run(raw, (2,), (x, y, 5), 2, True, A=3, num_warps=4) is None
+    replay = ftl._run(raw, (2,), (x, y, 5), 2, True, A=3, num_warps=4)
+    replay(x2, y2)
+    assert [c[0] for c in calls] == ["jit", "direct", "direct"]
+    first, again = calls[1][1], calls[2][1]
+    assert again[:4] == first[:4] == (2, 1, 1, 7) and again[6:9] == (None, None, None)
+    assert again[9:11] == (x2, y2) and again[11:] == first[11:] == (5, 3)
+
+
+@needs_triton
+def test_launch_hooks_count_only_when_set(monkeypatch):
+    """A direct launch passes Triton's launch hooks only where one is set: Triton 3.6's empty hook chains count as
+    none (no metadata built, nothing called per launch), a chain with a hook or a plain hook counts, and replays
+    wait for none to be set."""
+    import triton
+    monkeypatch.setattr(ftl, "_direct_ok", True)
+    runtime = triton.knobs.runtime
+
+    class Chain:  # Triton 3.6's HookChain
+        def __init__(self, calls):
+            self.calls = calls
+
+    def hook(metadata):
+        return None
+
+    for enter, leave, want in ((None, None, (None, None)), (Chain([]), Chain([]), (None, None)),
+                               (Chain([hook]), Chain([]), (1, None)), (hook, None, (1, None)), (None, hook, (None, 1))):
+        monkeypatch.setattr(runtime, "launch_enter_hook", enter)
+        monkeypatch.setattr(runtime, "launch_exit_hook", leave)
+        got = ftl._hooks()
+        assert tuple(None if h is None else 1 for h in got) == want
+        assert ftl.replays_ok() == (want == (None, None))
 
 
 @needs_triton
@@ -1305,7 +1417,7 @@ def test_forward_policy_takes_gluon_where_it_applies(monkeypatch):
     from core.kernels.flash_triton import hopper_forward as hf
     launched = []
 
-    def fake_launch(q, k, v, o, lse, is_causal, sm_scale, tiles=None):
+    def fake_launch(q, k, v, o, lse, is_causal, sm_scale, tiles=None, replay=False):
         d = q.shape[3]
         kind = {hf.SHORT_TILES[d]: "short", hf.FWD_TILES[d]: "fwd", hf.WIDE_TILES.get(d): "wide"}[tiles]
         launched.append((q.shape[2], kind))
@@ -1373,7 +1485,7 @@ def test_gpu_gluon_fwd_matches(shape_q, n_k, causal, dtype, kv_heads, monkeypatc
     from core.kernels.flash_triton import hopper_forward
     if not (_gluon_usable() and hopper_forward.HAVE_GLUON):
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
-    launches = _count_calls(monkeypatch, hopper_forward, "launch_fwd")
+    launches = _count_gluon_forwards(monkeypatch)
     torch.manual_seed(15)
     b, h, n_q, d = shape_q
     q = torch.randn(b, h, n_q, d, device="cuda", dtype=dtype, requires_grad=True)
@@ -1486,11 +1598,64 @@ def test_gpu_gluon_fwd_on_fused_projection_views(d, monkeypatch):
     from core.kernels.flash_triton import hopper_forward
     if not (_gluon_usable() and hopper_forward.HAVE_GLUON):
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
-    launches = _count_calls(monkeypatch, hopper_forward, "launch_fwd")
+    launches = _count_gluon_forwards(monkeypatch)
     torch.manual_seed(16)
     q, k, v = fused_qkv_views(2, 2048, 4, 4, d, torch.bfloat16, (True, True, True))
     check_against_reference(triton_with(FlashConfig()), q, k, v, True, TOL[torch.bfloat16])  # 2048 rows: Gluon
     assert launches == [1]
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d,views", [(64, (True, True, True)), (80, (True, True, True)), (128, (False, True, False))])
+def test_gpu_gluon_fwd_replays_per_geometry(d, views, monkeypatch):
+    """From the third forward of one geometry (the first compiles, the second launches directly and is kept)
+    flash_fwd_impl replays the Gluon launch without its policy: every call, on new tensors each time (new
+    addresses), matches float64; a call of that geometry whose q is not 16-byte aligned takes the policy path (and
+    the Triton forward) and is right too, as is one with a profiler's launch hook set."""
+    from core.kernels.flash_triton import hopper_forward
+    if not (_gluon_usable() and hopper_forward.HAVE_GLUON):
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    monkeypatch.setattr(ftd, "_FWD_REPLAYS", {})
+    monkeypatch.setattr(ftl, "_LAUNCHERS", {})  # the first call then goes through JITFunction.run
+    policy = _count_calls(monkeypatch, ftd, "_check_runtime")  # the policy path's first step
+    torch.manual_seed(17)
+
+    def forward_matches(q, k, v):
+        out, lse = ftd.flash_fwd_impl(q, k, v, True)
+        ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), True)
+        assert out.stride() == ftd._dense_layout(q).stride()
+        assert rel_err(out, ref) < TOL[torch.bfloat16] and (lse.double() - ref_lse).abs().max() < 1e-3
+
+    for _ in range(4):
+        q, k, v = (x.detach() for x in fused_qkv_views(2, 2048, 4, 4, d, torch.bfloat16, views))
+        forward_matches(q, k, v)
+    assert len(policy) == 2 and len(ftd._FWD_REPLAYS) == 1
+    # q at the same shape and strides, 8 bytes off alignment: the policy path
+    span = sum((n - 1) * st for n, st in zip(q.shape, q.stride())) + 1
+    buf = torch.randn(span + 4, device="cuda", dtype=torch.bfloat16)
+    forward_matches(torch.as_strided(buf, q.shape, q.stride(), 4), k, v)
+    assert len(policy) == 3
+    forward_matches(*(x.detach() for x in fused_qkv_views(2, 2048, 4, 4, d, torch.bfloat16, views)))
+    assert len(policy) == 3
+    import triton
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    forward_matches(*(x.detach() for x in fused_qkv_views(2, 2048, 4, 4, d, torch.bfloat16, views)))
+    assert len(policy) == 4
+
+
+def _count_gluon_forwards(monkeypatch) -> list[int]:
+    """Count the Gluon forwards a test runs: `launch_fwd` calls and their replays (`FwdReplay`, a geometry's later
+    calls, maybe one an earlier test in this process made)."""
+    from core.kernels.flash_triton import hopper_forward
+    calls = _count_calls(monkeypatch, hopper_forward, "launch_fwd")
+    replay = hopper_forward.FwdReplay.__call__
+
+    def counted(self, *args):
+        calls.append(1)
+        return replay(self, *args)
+    monkeypatch.setattr(hopper_forward.FwdReplay, "__call__", counted)
+    return calls
 
 
 def _count_calls(monkeypatch, module, name: str) -> list[int]:

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from core.kernels._flash_common import autocast_dtype, check_inputs
-from core.kernels.flash_triton.common import _to_4d
+from core.kernels.flash_triton.common import _as_4d, _to_4d
 from core.kernels.flash_triton.config import DEFAULT_CONFIG, FlashConfig
 from core.kernels.flash_triton.dispatch import _default_bwd, flash_bwd_impl, flash_fwd_impl
 
@@ -64,13 +64,17 @@ class FlashAttentionTriton(torch.autograd.Function):
         qs, ks, vs = ctx.shapes
         if do.dtype != q4.dtype:
             do = do.to(q4.dtype)
-        do4 = _to_4d(do)
-        variant = _default_bwd(q4, k4, do4, cfg)
         if _compiling():
-            dq, dk, dv = torch.ops.scalelab.flash_attn_bwd(do4, q4, k4, v4, o4, lse4, ctx.is_causal, variant,
-                                                           cfg.key)
+            # dO's layout stays unread while torch.compile traces this backward: Dynamo makes a gradient contiguous
+            # before a backward that reads its strides, a copy of dO a layer (the model's dO is a (B, T, H, d)
+            # view). The op checks dO when it runs; the variant is picked without it.
+            do4 = _as_4d(do)
+            dq, dk, dv = torch.ops.scalelab.flash_attn_bwd(do4, q4, k4, v4, o4, lse4, ctx.is_causal,
+                                                           _default_bwd(q4, k4, None, cfg), cfg.key)
         else:
-            dq, dk, dv = flash_bwd_impl(do4, q4, k4, v4, o4, lse4, ctx.is_causal, variant, cfg)
+            do4 = _to_4d(do)
+            dq, dk, dv = flash_bwd_impl(do4, q4, k4, v4, o4, lse4, ctx.is_causal, _default_bwd(q4, k4, do4, cfg),
+                                        cfg)
         if len(qs) != 4:
             dq, dk, dv = dq.reshape(qs), dk.reshape(ks), dv.reshape(vs)
         tq, tk, tv = ctx.in_dtypes

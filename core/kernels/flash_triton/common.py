@@ -198,17 +198,21 @@ _TILE_D = {d: _tile_d(d) for d in range(1, MAX_HEAD_DIM + 1)}
 _POW2_D = {d: _pow2_d(d) for d in range(1, MAX_HEAD_DIM + 1)}
 
 
-def _to_4d(x: Tensor) -> Tensor:
-    """View (..., N, d) as (Z, H, N, d), copying only if the leading dims cannot be merged."""
+def _as_4d(x: Tensor) -> Tensor:
+    """View (..., N, d) as (Z, H, N, d), copying only if the leading dims cannot be merged; its strides unread."""
     nd = x.dim()
     if nd == 4:
-        pass
-    elif nd == 2:
-        x = x[None, None]
-    elif nd == 3:
-        x = x[None]
-    else:
-        x = x.reshape(-1, *x.shape[-3:])
+        return x
+    if nd == 2:
+        return x[None, None]
+    if nd == 3:
+        return x[None]
+    return x.reshape(-1, *x.shape[-3:])
+
+
+def _to_4d(x: Tensor) -> Tensor:
+    """`_as_4d`, and a copy where the head dim's stride is not 1 (the kernels read rows of unit stride)."""
+    x = _as_4d(x)
     if x.stride(-1) != 1:
         x = x.contiguous()
     return x

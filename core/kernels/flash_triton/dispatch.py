@@ -36,7 +36,31 @@ def _check_runtime(q: Tensor) -> None:
                           "importing triton (slow), or use attention_impl=flash_torch")
 
 
+# the strides `_dense_layout` gives an operand, by its (shape, strides); () where `empty_like` keeps them
+_DENSE_STRIDES: dict[tuple, tuple[int, ...]] = {}
+_MAX_DENSE_STRIDES = 1024  # distinct layouts kept; the cache restarts beyond that
+
+
 def _dense_like(x: Tensor) -> Tensor:
+    """`_dense_layout(x)`, its strides computed once per operand layout (about 3 us a call, not 12: the forward's
+    host time matters where the GPU waits for it, as at the first attention call of a train step)."""
+    key = (x.shape, x.stride())
+    try:
+        strides = _DENSE_STRIDES.get(key)
+    except TypeError:  # symbolic sizes (torch.compile tracing) hash to nothing
+        return _dense_layout(x)
+    if strides is None:
+        out = _dense_layout(x)
+        if len(_DENSE_STRIDES) >= _MAX_DENSE_STRIDES:
+            _DENSE_STRIDES.clear()
+        _DENSE_STRIDES[key] = () if out.stride() == x.stride() else out.stride()
+        return out
+    if not strides:
+        return torch.empty_like(x)
+    return torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device)
+
+
+def _dense_layout(x: Tensor) -> Tensor:
     """A new dense tensor shaped like x whose dimensions are laid out in x's stride order (outermost first).
 
     An output (O, dQ, dK, dV) gets the layout of its operand where that operand is dense, and otherwise the same
@@ -114,9 +138,29 @@ def _hopper_fwd_ok(q: Tensor, k: Tensor, v: Tensor, cfg: FlashConfig) -> bool:
     return hopper_forward.fwd_applies(q, k, v)
 
 
+# the Gluon forward's launches by the call's geometry (`flash_fwd_impl`): (O's strides, `hopper_forward.FwdReplay`)
+_FWD_REPLAYS: dict[tuple, tuple] = {}
+_MAX_FWD_REPLAYS = 256  # distinct geometries kept; the cache restarts beyond that
+
+
 def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
                    cfg: FlashConfig = DEFAULT_CONFIG) -> tuple[Tensor, Tensor]:
-    """Forward on 4-D (Z, H, N, d) inputs with unit last stride: (out like q, lse (Z, H, N_q) fp32)."""
+    """Forward on 4-D (Z, H, N, d) inputs with unit last stride: (out like q, lse (Z, H, N_q) fp32).
+
+    A call whose geometry (shapes, strides, dtypes, device), mask and config took the Gluon forward before replays
+    that launch (`hopper_forward.FwdReplay`) without the policy below: a model's forward makes the same call every
+    step, and at a train step's first attention call the GPU waits for this host code (on the H100 host the call
+    took 85 us instead of 131 with the caches that the policy path uses, and several times that inside a compiled
+    step)."""
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+           q.get_device(), is_causal, cfg.key)
+    hit = _FWD_REPLAYS.get(key)
+    if hit is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 and launch.replays_ok():
+        o_strides, replay = hit
+        o = torch.empty_strided(q.shape, o_strides, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+        replay(q, k, v, o, lse)
+        return o, lse
     _check_runtime(q)
     z, h, n_q, d = q.shape
     n_k = k.shape[2]
@@ -134,8 +178,13 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
     min_rows, short_rows, long_rows = cfg.hopper_fwd_rows(d, is_causal)
     if not split_len and pinned is None and n_q >= min_rows and _hopper_fwd_ok(q, k, v, cfg):
         from core.kernels.flash_triton import hopper_forward
-        hopper_forward.launch_fwd(q, k, v, o, lse, is_causal, 1.0 / math.sqrt(d),
-                                  hopper_forward.fwd_tiles(d, n_q, is_causal, short_rows, long_rows))
+        replay = hopper_forward.launch_fwd(q, k, v, o, lse, is_causal, 1.0 / math.sqrt(d),
+                                           hopper_forward.fwd_tiles(d, n_q, is_causal, short_rows, long_rows),
+                                           replay=not cfg.poison_outputs)
+        if replay is not None:
+            if len(_FWD_REPLAYS) >= _MAX_FWD_REPLAYS:
+                _FWD_REPLAYS.clear()
+            _FWD_REPLAYS[key] = (o.stride(), replay)
         return o, lse
     if split_len:  # small grid: split-KV
         short = _cdiv(n_k, bn) < cfg.short_row_tiles
@@ -199,21 +248,23 @@ def _use_fused(zh: int, n_q: int, n_k: int, d: int, cfg: FlashConfig = DEFAULT_C
     return tiles <= (cfg.fused_max_tiles if d <= 64 else cfg.fused_max_tiles_wide)
 
 
-def _ws_ok(q: Tensor, do: Tensor, d: int, cfg: FlashConfig = DEFAULT_CONFIG) -> bool:
-    """Whether the atomic-dQ backward runs the Hopper warp-specialised Gluon kernel (`hopper.ws_applies`)."""
+def _ws_ok(q: Tensor, do: Tensor | None, d: int, cfg: FlashConfig = DEFAULT_CONFIG) -> bool:
+    """Whether the atomic-dQ backward runs the Hopper warp-specialised Gluon kernel (`hopper.ws_applies`; do None:
+    judged without dO)."""
     if not cfg.hopper_ws or common.INTERPRET:
         return False
     from core.kernels.flash_triton import hopper  # Gluon, imported where it may run
     return hopper.ws_applies(q, do, d)
 
 
-def _default_bwd(q4: Tensor, k4: Tensor, do4: Tensor, cfg: FlashConfig = DEFAULT_CONFIG) -> int:
-    """The backward variant for these 4-D operands: `cfg.backward` unless "auto". "auto": the fused kernel on
-    small grids (`_use_fused`), the warp-specialised Gluon kernel on Hopper from `cfg.ws_rows(d)` query rows on,
-    else two passes. Measured on the H100 (bf16, batch x heads x rows about 16 x 1M, causal, calls back to back),
-    the Gluon kernel's time against the two-pass backward's at 512 / 1024 / 2048 / 4096 / 8192 rows: d = 64, 1.34 /
-    1.16 / 1.07 / 1.00 / 0.92x (without the mask 1.21x at 512, 1.04x at 2048, 0.90x at 8192; with 8 x 16 heads at
-    2048, 1.06x); d = 80, 1.15 / 1.03 / 1.01 / 0.96 / 0.91x; d = 96, 1.20 / 1.07 / 1.00 / 0.98 / 0.93x; d = 128,
+def _default_bwd(q4: Tensor, k4: Tensor, do4: Tensor | None, cfg: FlashConfig = DEFAULT_CONFIG) -> int:
+    """The backward variant for these 4-D operands (do4 None: not known yet, as while torch.compile traces; then
+    `flash_bwd_impl` checks dO where the Gluon kernel needs it to): `cfg.backward` unless "auto". "auto": the fused
+    kernel on small grids (`_use_fused`), the warp-specialised Gluon kernel on Hopper from `cfg.ws_rows(d)` query
+    rows on, else two passes. Measured on the H100 (bf16, batch x heads x rows about 16 x 1M, causal, calls back to
+    back), the Gluon kernel's time against the two-pass backward's at 512 / 1024 / 2048 / 4096 / 8192 rows: d = 64,
+    1.34 / 1.16 / 1.07 / 1.00 / 0.92x (without the mask 1.21x at 512, 1.04x at 2048, 0.90x at 8192; with 8 x 16 heads
+    at 2048, 1.06x); d = 80, 1.15 / 1.03 / 1.01 / 0.96 / 0.91x; d = 96, 1.20 / 1.07 / 1.00 / 0.98 / 0.93x; d = 128,
     1.11 / 0.95 / 0.88 / 0.84 / 0.79x. On short rows its fixed costs weigh more (the delta kernel, the fp32 dQ
     buffer's zeros and cast, a program's set-up). The Gluon kernel's fp32 reductions add in any order: not under
     torch.use_deterministic_algorithms."""

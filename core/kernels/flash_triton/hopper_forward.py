@@ -79,7 +79,7 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
     from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
     from core.kernels.flash_triton.hopper import _barrier, _tma_load  # under their 3.6 or 3.9 names
-    from core.kernels.flash_triton.hopper import part_descs
+    from core.kernels.flash_triton.hopper import desc_fields, desc_over, part_descs
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global  # 3.9 renamed it
     HAVE_GLUON = True
 except ImportError:  # a Triton without Gluon (or without its Hopper ops)
@@ -833,17 +833,42 @@ def fwd_constexprs(d: int, is_causal: bool, tiles: tuple[int, int, int, int], tu
         EXP_POLY=exp2_poly(d, block_n, consumers) if exp_poly is None else exp_poly)
 
 
+class FwdReplay:
+    """`launch_fwd` again, for inputs of the geometry (shapes, strides, dtype) and the mask it was made for: its
+    descriptors' fields and its launch (`launch.Replay`) are kept, so a call makes 4 descriptors (8 with a tail)
+    and launches (`dispatch.flash_fwd_impl` keeps these per geometry)."""
+
+    __slots__ = ("fields", "tail_fields", "d_main", "replay")
+
+    def __init__(self, descs: tuple, tails: tuple | None, d_main: int, replay: "launch.Replay") -> None:
+        self.fields = [desc_fields(x) for x in descs]
+        self.tail_fields = None if tails is None else [desc_fields(x) for x in tails]
+        self.d_main, self.replay = d_main, replay
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor) -> None:
+        """The forward into o and lse (as `launch_fwd`'s); q, k, v 16-byte aligned (the caller checks)."""
+        ts = (q, k, v, o)
+        # a main part's descriptor reads from its tensor's base: the fields hold its narrower shape
+        descs = [desc_over(f, t) for f, t in zip(self.fields, ts)]
+        if self.tail_fields is None:
+            self.replay(*descs, None, None, None, None, lse)
+        else:
+            m = self.d_main
+            self.replay(*descs, *[desc_over(f, t[..., m:]) for f, t in zip(self.tail_fields, ts)], lse)
+
+
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, sm_scale: float,
                tiles: tuple[int, int, int, int] | None = None, turns: bool | None = None,
                first_in_loop: bool | None = None, swap: bool | None = None, warps: int | None = None,
-               exp_poly: bool | None = None) -> None:
+               exp_poly: bool | None = None, replay: bool = False) -> FwdReplay | None:
     """O (preallocated like q, or at any strides a TMA descriptor takes: unit last, 16-byte aligned base and
     others) and lse ((Z, H, N_q) fp32, contiguous) of attention on 4-D (Z, H, N, d) q, k, v (k, v: H / kv_group
     heads), where `fwd_applies`; tiles: (BLOCK_N, STAGES, Q_BUFS, consumers), `FWD_TILES`' by default; turns:
     ping-pong between two consumers, by default where `pingpong`; first_in_loop: a query tile's first key tile in
     the loop, by default where `one_loop`; swap: two consumers on alternate halves, by default where
     `swap_halves`; warps: the producer's, by default `producer_warps`; exp_poly: an eighth of the exponentials by
-    polynomial, by default where `exp2_poly`."""
+    polynomial, by default where `exp2_poly`. With `replay`, the launch as a `FwdReplay` where it was a direct one
+    (`launch.Replay`), else None."""
     z, h, n_q, d = q.shape
     n_k = k.shape[2]
     d_main, d_tail = common._TILE_D[d]
@@ -859,6 +884,8 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causa
     # persistent: a program an SM (their shared memory allows no second); on a grid of fewer than half as many
     # pairs of query tiles, a tile a program (`_tile`)
     n_units = _cdiv(z * h * _cdiv(n_q, consumers * HALF_M), 2)  # the kernel's work units (`_tile`): half the tiles
-    launch._run(_fwd_ws_kernel, (min(2 * n_units, launch._sm_count(q.device)),),
-                (*descs, *tails, lse, h, h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E, z * h), 9,
-                **fwd_constexprs(d, is_causal, tiles, turns, first_in_loop, swap, warps, exp_poly), num_warps=4)
+    direct = launch._run(_fwd_ws_kernel, (min(2 * n_units, launch._sm_count(q.device)),),
+                         (*descs, *tails, lse, h, h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E, z * h), 9,
+                         replay, **fwd_constexprs(d, is_causal, tiles, turns, first_in_loop, swap, warps, exp_poly),
+                         num_warps=4)
+    return None if direct is None else FwdReplay(descs, tails if d_tail else None, d_main, direct)

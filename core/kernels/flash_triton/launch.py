@@ -98,13 +98,55 @@ def _arg_key(arg) -> tuple | None:
     return arg.base.dtype, tuple(arg.block_shape), arg.layout
 
 
-def _run(raw, grid: tuple, args: tuple, n_tensors: int, **meta) -> None:
+class Replay:
+    """A direct launch that `_run` made, again with new leading (tensor or descriptor) arguments and the same grid,
+    scalars and constexprs: for a caller that keeps it under a key of its own, one that fixes everything the
+    launch's other arguments and its compiled kernel depend on (`dispatch.flash_fwd_impl`: the inputs' shapes,
+    strides, dtypes, device, mask and config). It skips `_run`'s key and the caller's policy, the host time a
+    forward spends while the GPU may wait for it. Use only while `replays_ok()`."""
+
+    __slots__ = ("kernel", "grid", "device", "rest")
+
+    def __init__(self, kernel, grid: tuple, device: int, rest: tuple) -> None:
+        self.kernel, self.device, self.rest = kernel, device, rest
+        self.grid = (*grid, *(1,) * (3 - len(grid)))
+
+    def __call__(self, *leading) -> None:
+        k = self.kernel
+        k.run(*self.grid, _current_stream(self.device), k.function, k.packed_metadata, None, None, None,
+              *leading, *self.rest)
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set: Triton 3.6 keeps a chain of hooks (none by default), older ones a hook or
+    None."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return calls is None or bool(calls)
+
+
+def _hooks() -> tuple:
+    """(enter, exit) launch hooks for a direct launch: None where none is set, so the launcher calls nothing and
+    no launch metadata is built (Triton 3.6 builds it and calls its empty hook chains on every launch otherwise)."""
+    runtime = triton.knobs.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return (enter if _hooked(enter) else None), (leave if _hooked(leave) else None)
+
+
+def replays_ok() -> bool:
+    """Whether a `Replay` may launch: direct launches work in this process, and no launch hook (a profiler's)
+    wants the metadata that `_run` passes it."""
+    return _direct_ok and _hooks() == (None, None)
+
+
+def _run(raw, grid: tuple, args: tuple, n_tensors: int, replay: bool = False, **meta) -> Replay | None:
     """`raw[grid](*args, **meta)`; the first n_tensors arguments are tensors or TMA descriptors, the rest Python
-    scalars."""
+    scalars. With `replay`, the launch as a `Replay` where it was direct (else None)."""
     global _direct_ok
     if not _direct_ok or common.INTERPRET:
         raw.run(*args, grid=grid, warmup=False, **meta)
-        return
+        return None
     # every pointer's dtype and alignment (the split-KV merge takes fp32 partials and writes O in the inputs'
     # dtype: one dtype per launch would confuse its fp32 and bf16 variants)
     leading = tuple([_arg_key(t) for t in args[:n_tensors]])
@@ -118,17 +160,21 @@ def _run(raw, grid: tuple, args: tuple, n_tensors: int, **meta) -> None:
         # the launcher takes every kernel parameter, constexprs included (after the runtime ones here)
         constexprs = tuple(meta[name] for name in raw.arg_names[len(args):])
         _LAUNCHERS[key] = (kernel, constexprs)
-        return
+        return None  # a Replay comes from a direct launch that worked: the next call's
     kernel, constexprs = hit
     full = args + constexprs
     stream = _current_stream(device)
     try:
-        enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
-        kernel.run(*grid, *(1,) * (3 - len(grid)), stream, kernel.function,
-                   kernel.packed_metadata, kernel.launch_metadata(grid, stream, *full), enter, leave, *full)
+        enter, leave = _hooks()
+        # launch metadata is for the hooks (a profiler's) only
+        metadata = kernel.launch_metadata(grid, stream, *full) if enter is not None or leave is not None else None
+        kernel.run(*grid, *(1,) * (3 - len(grid)), stream, kernel.function, kernel.packed_metadata, metadata,
+                   enter, leave, *full)
     except (TypeError, AttributeError):  # another Triton's launcher or knobs: back to JITFunction.run for good
         _direct_ok = False
         raw.run(*args, grid=grid, warmup=False, **meta)
+        return None
+    return Replay(kernel, grid, device, args[n_tensors:] + constexprs) if replay else None
 
 
 _CAPABILITY: dict[int, tuple[int, int]] = {}
