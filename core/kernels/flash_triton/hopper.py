@@ -721,7 +721,7 @@ def tma_desc(t: Tensor, box: tuple[int, ...], swizzled: bool = True):
             _DESC_FIELDS.clear()
         _DESC_FIELDS[key] = desc_fields(desc)
         return desc
-    if t.data_ptr() & 15:
+    if not common._tma_aligned(t):
         raise ValueError("a TMA descriptor's base must be 16-byte aligned")
     return desc_over(fields, t)
 
