@@ -207,7 +207,25 @@ def graph_ms(step, warmup: int, rep: int) -> float:
     return do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
 
 
-def _measure(fn_causal, res: dict, shape: Shape, warmup, rep, graph: bool = False) -> None:
+def _one_call_ms(fn) -> float:
+    """One call's time (ms), synchronized: what `_bench` sizes its repetitions by."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def _bench(fn, warmup: float, rep: float, min_calls: int) -> float:
+    """do_bench's median (L2 flushed before each call) over at least min_calls timed calls: do_bench sizes its
+    repetitions to `rep` ms, which leaves a few calls, or one, where a call takes tens of ms."""
+    fn()  # do_bench's own estimate should not meet a first call's allocations
+    return do_bench(fn, warmup=warmup, rep=max(rep, min_calls * _one_call_ms(fn)), return_mode="median")
+
+
+def _measure(fn_causal, res: dict, shape: Shape, warmup, rep, graph: bool = False, min_calls: int = 1) -> None:
     q, k, v, do = make_inputs(shape)
 
     def fn(q, k, v):
@@ -227,12 +245,10 @@ def _measure(fn_causal, res: dict, shape: Shape, warmup, rep, graph: bool = Fals
     res["mem_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
     clear_grads()
     with torch.no_grad():
-        res["fwd"] = do_bench(lambda: fn(q, k, v), warmup=warmup, rep=rep, return_mode="median")
+        res["fwd"] = _bench(lambda: fn(q, k, v), warmup, rep, min_calls)
     out = fn(q, k, v)
-    res["bwd"] = do_bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
-                          warmup=warmup, rep=rep, return_mode="median")
-    res["fwd_bwd"] = do_bench(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do),
-                              warmup=warmup, rep=rep, return_mode="median")
+    res["bwd"] = _bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), warmup, rep, min_calls)
+    res["fwd_bwd"] = _bench(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), warmup, rep, min_calls)
     if graph:
         del out
         try:
@@ -245,12 +261,12 @@ def _measure(fn_causal, res: dict, shape: Shape, warmup, rep, graph: bool = Fals
             print(f"  (no CUDA graph: {str(e).splitlines()[0][:80]})", flush=True)
 
 
-def bench_one(impl: str, fn, shape: Shape, warmup, rep, graph: bool = False) -> dict:
+def bench_one(impl: str, fn, shape: Shape, warmup, rep, graph: bool = False, min_calls: int = 1) -> dict:
     """Times (ms) for fwd, bwd, fwd_bwd (and with graph, fwd_graph and fwd_bwd_graph: CUDA-graph replays)
     and the peak extra memory (MiB) of one fwd+bwd."""
     res: dict = {}
     try:
-        _measure(fn, res, shape, warmup, rep, graph)
+        _measure(fn, res, shape, warmup, rep, graph, min_calls)
     except torch.cuda.OutOfMemoryError:
         res["oom"] = True
     except (RuntimeError, NotImplementedError, ValueError) as e:  # e.g. a backend that refuses the shape
@@ -338,10 +354,13 @@ def _median_result(runs: list[dict]) -> dict:
     return out
 
 
-def run_table(configs, impls, warmup, rep, ceilings, out_lines, label, graph: bool = False, rounds: int = 1):
+def run_table(configs, impls, warmup, rep, ceilings, out_lines, label, graph: bool = False, rounds: int = 1,
+              min_calls: int = 1):
     """configs: list of Shape. Returns results[(shape, impl)] = dict. With rounds > 1 every
-    implementation of a row is measured once per round, the implementations in turn, and each time is the
-    median over the rounds (the host's speed drifts by tens of percent between seconds on a virtual machine)."""
+    implementation of a row is measured once per round, the implementations in turn (in reverse order every second
+    round, so neither always runs first, on a GPU that the one before left hotter or cooler), and each time is the
+    median over the rounds (the host's speed drifts by tens of percent between seconds on a virtual machine, the
+    GPU's clocks with its power draw). Every time is a median of at least min_calls calls (`_bench`)."""
     results = {}
     hdr = ("| dtype | B,H | KV | S | D | causal | impl | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s (% ceil) "
            "| fwd+bwd TFLOP/s (% ceil) | peak extra MiB |" + (" fwd graph ms | fwd+bwd graph ms |" if graph else ""))
@@ -352,12 +371,12 @@ def run_table(configs, impls, warmup, rep, ceilings, out_lines, label, graph: bo
         ceil = ceilings[dtype]
         row_impls = [i for i in impls if not (i.partition("@")[0] == "flash_torch" and s > FLASH_TORCH_MAX_SEQ)]
         runs: dict[str, list] = {impl: [] for impl in row_impls}
-        for _ in range(rounds):
-            for impl in row_impls:
+        for rnd in range(rounds):
+            for impl in (row_impls if rnd % 2 == 0 else row_impls[::-1]):
                 if impl.partition("@")[0].startswith("sdpa") and dtype == torch.float32:
                     runs[impl].append({"error": "backend has no fp32"})
                 else:
-                    runs[impl].append(bench_one(impl, make_impl(impl), shape, warmup, rep, graph))
+                    runs[impl].append(bench_one(impl, make_impl(impl), shape, warmup, rep, graph, min_calls))
         for impl in row_impls:
             r = _median_result(runs[impl])
             results[(shape, impl)] = r
@@ -431,6 +450,8 @@ def main(argv=None) -> int:
                     "in --impls) against float64 on the GPU")
     ap.add_argument("--graph", action="store_true", help="also time fwd and fwd+bwd as CUDA-graph replays: the "
                     "kernels' GPU time without the host's launch path, which dominates B = H = 1 rows at S <= 4096")
+    ap.add_argument("--min-calls", type=int, default=20, help="every time a median of at least this many calls "
+                    "(do_bench's rep, in ms, leaves one or a few where a call takes tens of ms)")
     ap.add_argument("--rounds", type=int, default=1, help="measure every row this many times, the implementations "
                     "in turn, and report medians over the rounds")
     ap.add_argument("--out", default=None, help="write the markdown here (default: "
@@ -488,12 +509,12 @@ def main(argv=None) -> int:
     ceilings = {t: matmul_ceiling(t, 25, 200) for t in dtypes}
     out += ["- matmul ceiling (8192^3, same run): "
             + ", ".join(f"{str(t)[6:]} {c:.0f} TFLOP/s" for t, c in ceilings.items())
-            + f"; do_bench warmup={warmup} ms rep={rep} ms, median"]
+            + f"; do_bench warmup={warmup} ms rep={rep} ms (at least {args.min_calls} calls), median"]
     print(out[-1], flush=True)
     configs = [c._replace(layout=args.layout) for c in configs]
     label = (f"{args.preset}: causal, times in ms" + (", the model's layout" if args.layout == "model" else "")
              + (f", medians of {args.rounds} rounds" if args.rounds > 1 else ""))
-    results = run_table(configs, impls, warmup, rep, ceilings, out, label, args.graph, args.rounds)
+    results = run_table(configs, impls, warmup, rep, ceilings, out, label, args.graph, args.rounds, args.min_calls)
     ratio_summary(results, impls, out, args.graph)
     if args.preset == "leaderboard" and "flash_triton" in impls:
         out += ["\n### flash_triton kernels alone (no autograd), leaderboard shape\n"]

@@ -645,6 +645,29 @@ def test_bench_round_medians():
     assert bench._median_result(runs + [{"oom": True}]) == {"oom": True}
 
 
+def test_bench_rounds_alternate_order_and_time_enough_calls(monkeypatch):
+    """--rounds: the implementations run in turn, in reverse order every second round; --min-calls: each time is a
+    do_bench median over at least that many calls (its rep stretched to min_calls calls of the measured length)."""
+    import experiments.attention_bench as bench
+    calls = []
+
+    def fake_bench_one(impl, fn, shape, warmup, rep, graph=False, min_calls=1):
+        calls.append((impl, min_calls))
+        return {"fwd": 1.0, "bwd": 2.0, "fwd_bwd": 3.0, "mem_mib": 0.0}
+    monkeypatch.setattr(bench, "bench_one", fake_bench_one)
+    monkeypatch.setattr(bench, "make_impl", lambda impl: None)
+    shape = bench.Shape(1, 2, 64, 16, torch.bfloat16, True)
+    bench.run_table([shape], ["a", "b", "c"], 1, 5, {torch.bfloat16: 100.0}, [], "t", rounds=4, min_calls=7)
+    assert [i for i, _ in calls] == list("abccbaabccba") and {m for _, m in calls} == {7}
+
+    reps = []
+    monkeypatch.setattr(bench, "_one_call_ms", lambda fn: 30.0)
+    monkeypatch.setattr(bench, "do_bench", lambda fn, warmup, rep, return_mode: reps.append(rep) or 1.0)
+    bench._bench(lambda: None, 10, 60, 20)
+    bench._bench(lambda: None, 10, 60, 1)
+    assert reps == [600.0, 60]
+
+
 @needs_triton
 def test_bench_impls_on_cpu():
     """experiments/attention_bench.py builds every flash_triton impl (config overrides included) without a GPU;
