@@ -54,6 +54,9 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+# a requeued job, eligible again once cred_expire has passed, is started only by the periodic pass of the main
+# scheduler (no event wakes it): every second on this one-node cluster, not every 60 s (the default)
+SchedulerParameters=sched_interval=1
 ReturnToService=2
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd

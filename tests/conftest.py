@@ -15,3 +15,9 @@ os.environ.setdefault("WANDB_SILENT", "true")
 _THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 torch.set_num_threads(_THREADS)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Slow tests first, in their collected order, then the rest: pytest-xdist hands tests out in this order, and
+    a minute-long test left to the end kept one worker busy while the other had nothing left to run."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

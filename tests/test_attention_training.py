@@ -41,6 +41,7 @@ def test_first_step_gradients_match_sdpa(impl, kv, tmp_path):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.slow
 def test_train_py_losses_match_sdpa(impl, tmp_path):
     """`python train.py attention_impl=...` for 4 steps: the logged losses and gradient norms follow SDPA's."""
     common = FAST + SMALL + ["train.max_steps=4", "train.log_every=1", "train.eval_every=0",

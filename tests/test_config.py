@@ -100,6 +100,7 @@ def test_two_runs_started_at_once_get_two_directories(tmp_path):
         assert read_summary(run_dir)["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_two_sweeps_started_at_once_get_two_directories(tmp_path):
     """Two sweeps asking for the same directory at once (the default's clock has one-second resolution): each
     gets its own, and each sweep's points write under the directory it claimed."""

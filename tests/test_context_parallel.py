@@ -236,6 +236,7 @@ def test_pp2_dp2_tp2_cp2_trains_like_one_process(reference, tmp_path):
     run_ranks(_train_worker, world_size=16, args=(shape, reference, str(tmp_path)), timeout_s=300, deadline_s=900)
 
 
+@pytest.mark.slow
 def test_cp2_checkpoint_resumes_on_cp2_and_on_one_process(tmp_path):
     """Parameters are replicated over cp as over dp, so a cp2 run's checkpoint is its strategy's own (our fsdp's,
     sharded over dp x cp, by the whole model's names): resumed at step 2 on cp2 it continues bit for bit, and on one

@@ -363,6 +363,7 @@ def test_ddp_bucketed_bf16_compute_one_rank_and_errors():
 
 
 @pytest.mark.parametrize("strategy", ["ddp_bucketed", "zero1"])
+@pytest.mark.slow
 def test_train_py_bf16_compute_dp2_cpu(tmp_path, strategy):
     """The trainer's path: bf16 autocast, gradient accumulation (no_sync micro-steps), checkpointed blocks (their
     recomputation runs zero1's pre-hooks again: no refresh there), evaluation with zero1's gathers in flight."""

@@ -207,6 +207,7 @@ def _train(run_dir, *overrides: str) -> list[dict]:
     return [r for r in records if "loss" in r]  # the training steps (not the final evaluation)
 
 
+@pytest.mark.slow
 def test_ep2_trains_to_one_process_losses(tmp_path):
     # two ranks of 2 sequences each = one process accumulating two micro-batches of 2 (aux loss per micro-batch);
     # ZeRO-1: the dense optimizer state sharded over dp, each rank stepping its own experts; our FSDP: the dense
@@ -221,6 +222,7 @@ def test_ep2_trains_to_one_process_losses(tmp_path):
         assert all(r["ep_comm_ms"] > 0 for r in ep), ep  # the all-to-alls were timed on the logged steps
 
 
+@pytest.mark.slow
 def test_ep2_checkpoint_resumes_on_ep2_and_on_one_process(tmp_path):
     """An ep2 run saves each rank's experts (and their AdamW state) as their slice of the whole layer's tensor, under
     the whole model's names (DCP): resumed at step 2 on ep2 it continues bit for bit, and on one process

@@ -29,6 +29,7 @@ def _train(tmp: Path, *overrides: str, timeout: int = 240) -> dict:
     return summary
 
 
+@pytest.mark.slow
 def test_fsdp_separate_reduce_scatter_group_trains_the_same(tmp_path):
     """Reduce-scatters in a process group of their own change where they run, not what they compute."""
     a = _train(tmp_path / "a", "parallelism=fsdp", "parallelism.separate_reduce_scatter=false")
@@ -38,6 +39,7 @@ def test_fsdp_separate_reduce_scatter_group_trains_the_same(tmp_path):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.slow
 def test_train_py_dp2_cpu(strategy, tmp_path):
     extra = ["checkpoint.every=2"] if strategy in RESUMED else []
     s = _train(tmp_path / "a", f"parallelism={strategy}", *extra)
@@ -67,6 +69,7 @@ def test_port_in_use_is_a_config_error():
             other.bind(("127.0.0.1", picked))
 
 
+@pytest.mark.slow
 def test_sweep_points_run_in_their_own_processes(tmp_path):
     """Every point of a local sweep, one-rank points too, runs in a fresh worker process: a point left in
     the sweep's own process would keep its CUDA memory for the next one (the next job's rank 0 then runs

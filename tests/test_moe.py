@@ -160,6 +160,7 @@ def _train(run_dir, *overrides: str) -> list[float]:
     return [r["loss"] for r in records if "loss" in r]
 
 
+@pytest.mark.slow
 def test_tiny_moe_trains_and_dp2_matches_one_process(tmp_path):
     # the aux loss is per micro-batch: one process accumulating two micro-batches of 2 sequences is what two
     # ranks of 2 sequences each compute

@@ -150,12 +150,14 @@ def _compare_worker(rank: int, world: int, configs: dict, extra: list, ref_path:
                     f"{name} {pname}: gradient max error {(out['grads'][pname] - want).abs().max():.3e}"
 
 
+@pytest.mark.slow
 def test_dp2_pp2_sharded_and_torch_ddp_match_one_process(tmp_path):
     ref = _reference(tmp_path, 8)
     extra = ["mesh=dp2_pp2", "train.batch_size=8", "pipeline.microbatches=2"]
     run_ranks(_compare_worker, world_size=4, timeout_s=240, args=({**DP2_PP2, **FSDP}, extra, ref, str(tmp_path)))
 
 
+@pytest.mark.slow
 def test_dp2_pp2_torch_fsdp2_matches_one_process(tmp_path):
     """torch's FSDP2 on each stage over dp2 x pp2 (4 ranks), under our 1F1B and interleaved 1F1B and torch's
     Schedule1F1B (which drives the FSDP2 module itself): one process's losses and gradient norms, each weight
@@ -174,6 +176,7 @@ def test_3d_fsdp_tp2_pp2_matches_one_process(tmp_path):
               args=({"ours_1f1b_fsdp_tp2": ["pipeline=ours"]}, extra, ref, str(tmp_path)))
 
 
+@pytest.mark.slow
 def test_pp2_checkpoint_resumes_on_pp2_and_on_one_process(tmp_path):
     """A pp2 run saves each stage's parameters and AdamW state under the whole model's names (DCP); resumed at
     step 2 on pp2 it continues bit for bit, and on one process and on tp2 without a pipeline
@@ -186,6 +189,7 @@ def test_pp2_checkpoint_resumes_on_pp2_and_on_one_process(tmp_path):
     assert_resumes_like(losses_by_step(first), step2, common, targets, tmp_path, steps=(3, 4), rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_fsdp_pp2_checkpoint_resumes_without_pipeline(tmp_path):
     """Our fsdp under dp2 x pp2 saves each stage's row shards by the whole model's names; a dp2 run without a
     pipeline resumes from it with the uninterrupted run's next losses."""

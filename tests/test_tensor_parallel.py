@@ -163,6 +163,7 @@ def test_tp2_matches_one_process(reference, tmp_path):
     run_ranks(_worker, world_size=2, args=(TP2, "dp1_tp2", reference[0], str(tmp_path)), timeout_s=120)
 
 
+@pytest.mark.slow
 def test_dp2_tp2_matches_one_process(reference, tmp_path):
     run_ranks(_worker, world_size=4, args=(DP2_TP2, "dp2_tp2", reference[0], str(tmp_path)), timeout_s=120)
 
@@ -237,6 +238,7 @@ def test_rows_in_full_name_the_full_weight_rows_of_every_fsdp_shard():
 @pytest.mark.parametrize("strategy, source, targets", [("ddp_bucketed", "dp1_tp2", ("same", "dp2", "single")),
                                                        ("zero1", "dp1_tp2", ("dp2",)),
                                                        ("fsdp", "dp2_tp2", ("dp4", "dp2"))])
+@pytest.mark.slow
 def test_checkpoint_resumes_on_another_mesh_shape(strategy, source, targets, tmp_path):
     """A tensor-parallel run's checkpoint (DCP, tp-sharded DTensors, qkv by segment; ZeRO-1: each rank's owned
     optimizer state; our FSDP: each rank's rows of its tp part as boxes of the one-process tensors) resumes
@@ -259,6 +261,7 @@ def test_checkpoint_resumes_on_another_mesh_shape(strategy, source, targets, tmp
                         rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_mesh_change_is_refused_for_a_checkpoint_that_cannot_reshard(tmp_path):
     """Without tensor parallelism a whole-tensor checkpoint (state.pt) does not resume on another mesh shape,
     even when the run allows it: one line naming the keys."""

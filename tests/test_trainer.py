@@ -12,6 +12,7 @@ from launchers.job import run_job
 from tests.utils import FAST, compose_cfg, losses_by_step, read_metrics, read_summary, run_train
 
 
+@pytest.mark.slow
 def test_default_run_learns(tmp_path):
     """The default job (tiny model, embedded corpus) through the real entrypoint: the loss falls >= 30% (40 steps
     take it to about half its first value, validation to 55% of a uniform guess's)."""
