@@ -1,11 +1,11 @@
-"""Spawn helper for multi-rank gloo tests: free port, per-test timeout, the failing rank's traceback.
+"""Multi-rank gloo tests: free port, per-test timeout, the failing rank's traceback (ranks start from a forkserver).
 
     run_ranks(fn, world_size=2, args=(...))   # fn(rank, world_size, *args) runs in each rank
 
 Each rank joins a gloo process group (CPU) with a short collective timeout, so a broken
 test fails within `timeout_s` instead of hanging CI; ranks wait for each other to start much
 longer (`init_process_group`'s join timeout), since a loaded CI machine starts them late.
-Several checks should share one spawn: starting a group costs seconds.
+Several checks should share one run: starting a group costs seconds.
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def _worker(rank: int, world_size: int, port: int, fn, args, timeout_s: float, e
         fn(rank, world_size, *args)
         if join_group:
             dist.barrier()
-        # spawned workers exit through interpreter shutdown, where a live gloo thread can abort the process
+        # a worker whose gloo threads still run when it exits can abort the process
         destroy_process_groups()
         left = backend_threads()
         assert not left, f"{len(left)} process-group threads outlived the group: something still holds it: {left}"
