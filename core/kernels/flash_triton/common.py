@@ -162,6 +162,14 @@ if HAVE_TRITON:
         else:
             tl.store(ptrs, x, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
 
+def _remember(cache: dict, key, value, limit: int) -> None:
+    """cache[key] = value, the cache emptied first once it holds `limit` entries (the host-side caches of launches,
+    layouts and descriptors: a process that sees ever new shapes does not grow them without bound)."""
+    if len(cache) >= limit:
+        cache.clear()
+    cache[key] = value
+
+
 def _tma_aligned(t: Tensor) -> bool:
     """Whether t's base address is 16-byte aligned, as a TMA descriptor needs (the Gluon kernels' checks). A fake
     tensor (torch.compile tracing) has no storage: True, and the kernels' host code checks the real one."""

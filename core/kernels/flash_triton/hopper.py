@@ -717,9 +717,7 @@ def tma_desc(t: Tensor, box: tuple[int, ...], swizzled: bool = True):
     fields = _DESC_FIELDS.get(key)
     if fields is None:
         desc = TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), _box_layout(box, t.dtype, swizzled))
-        if len(_DESC_FIELDS) >= _MAX_DESC_FIELDS:
-            _DESC_FIELDS.clear()
-        _DESC_FIELDS[key] = desc_fields(desc)
+        common._remember(_DESC_FIELDS, key, desc_fields(desc), _MAX_DESC_FIELDS)
         return desc
     if not common._tma_aligned(t):
         raise ValueError("a TMA descriptor's base must be 16-byte aligned")

@@ -155,11 +155,9 @@ def _run(raw, grid: tuple, args: tuple, n_tensors: int, replay: bool = False, **
     hit = _LAUNCHERS.get(key)
     if hit is None:
         kernel = raw.run(*args, grid=grid, warmup=False, **meta)  # compiles, or finds the compiled kernel
-        if len(_LAUNCHERS) >= _MAX_LAUNCHERS:
-            _LAUNCHERS.clear()
         # the launcher takes every kernel parameter, constexprs included (after the runtime ones here)
         constexprs = tuple(meta[name] for name in raw.arg_names[len(args):])
-        _LAUNCHERS[key] = (kernel, constexprs)
+        common._remember(_LAUNCHERS, key, (kernel, constexprs), _MAX_LAUNCHERS)
         return None  # a Replay comes from a direct launch that worked: the next call's
     kernel, constexprs = hit
     full = args + constexprs
