@@ -8,8 +8,8 @@ Standalone (torch, triton, numpy only; no hydra), one command per table:
     python3 experiments/attention_bench.py --preset training         # the shapes training runs use (below)
 
 The `training` preset is the grid a training run hands the kernel: B x H x S about 1M (B x S = 64K tokens,
-S = 512 to 16384, H = 16), head dims 64, 80 (the CS336 xl / 2.7B models), 96 and 128, bf16 (`--dtypes bf16,fp16`
-adds fp16; `--causal both` adds non-causal rows; `--gqa` adds grouped-query rows, 4 query heads per KV head), ours
+S = 512 to 16384, H = 16; `--tokens` sets another B x S), head dims 64, 80 (the CS336 xl / 2.7B models), 96 and
+128, bf16 (`--dtypes bf16,fp16` adds fp16; `--causal both` adds non-causal rows; `--gqa` adds grouped-query rows, 4 query heads per KV head), ours
 against SDPA's flash and cuDNN backends, medians over 3 interleaved rounds. `--layout model` hands every
 implementation its inputs as the model does (q, k, v views of the fused projection, dO laid out (B, S, H, d))
 instead of dense (B, H, S, d) tensors.
@@ -430,6 +430,16 @@ def ratio_summary(results, impls, out_lines, graph: bool = False):
     print("\n".join(out_lines[start:]), flush=True)
 
 
+def training_shapes(seqs, dims, dtypes, causal: str = "yes", gqa: bool = False,
+                    tokens: int = TRAINING_TOKENS) -> list[Shape]:
+    """The training preset's rows: B = tokens // S sequences of each length S (at least one), TRAINING_HEADS heads;
+    causal "yes" / "no" / "both"; with gqa also rows of TRAINING_GQA query heads per KV head."""
+    masks = {"yes": (True,), "no": (False,), "both": (True, False)}[causal]
+    kv = (0, TRAINING_HEADS // TRAINING_GQA) if gqa else (0,)
+    return [Shape(max(tokens // s, 1), TRAINING_HEADS, s, d, t, c, g) for t in dtypes for g in kv
+            for c in masks for d in dims for s in seqs]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=("leaderboard", "sweep", "quick", "training"), default="quick")
@@ -443,6 +453,8 @@ def main(argv=None) -> int:
                     "as the model hands them over: q, k, v views of its fused projection, dO laid out (B, S, H, d)")
     ap.add_argument("--gqa", action="store_true", help="training preset: also grouped-query rows (4 query heads "
                     "per KV head; SDPA with enable_gqa, flash_triton natively, the others with k and v expanded)")
+    ap.add_argument("--tokens", type=int, default=TRAINING_TOKENS, help="training preset: tokens a row, B = "
+                    "tokens / S (default 65536; 16384 at S = 2048 is the medium model's B = 8)")
     ap.add_argument("--dtypes", default=None, help="default bf16,fp32 (training preset: bf16)")
     ap.add_argument("--warmup", type=int, default=None, help="do_bench warmup, ms")
     ap.add_argument("--rep", type=int, default=None, help="do_bench repetitions, ms")
@@ -496,10 +508,7 @@ def main(argv=None) -> int:
         warmup, rep = args.warmup or 10, args.rep or 60
         seqs = [int(x) for x in args.seq.split(",")] if args.seq else list(TRAINING_SEQS)
         dims = [int(x) for x in args.dims.split(",")] if args.dims else list(TRAINING_DIMS)
-        causal = {"yes": (True,), "no": (False,), "both": (True, False)}[args.causal]
-        kv = (0, TRAINING_HEADS // TRAINING_GQA) if args.gqa else (0,)
-        configs = [Shape(TRAINING_TOKENS // s, TRAINING_HEADS, s, d, t, c, g) for t in dtypes for g in kv
-                   for c in causal for d in dims for s in seqs]
+        configs = training_shapes(seqs, dims, dtypes, args.causal, args.gqa, args.tokens)
     else:
         warmup, rep = args.warmup or 10, args.rep or 40
         seqs = [int(x) for x in args.seq.split(",")] if args.seq else [1024, 4096]

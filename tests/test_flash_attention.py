@@ -637,6 +637,17 @@ def test_bench_model_layout_inputs():
     assert all(t.is_contiguous() and t.is_leaf and t.requires_grad for t in (q, k, v)) and do.is_contiguous()
 
 
+def test_bench_training_shapes():
+    """--preset training: B x S tokens a row (65536 by default, --tokens otherwise), 16 heads; masks and GQA rows."""
+    import experiments.attention_bench as bench
+    rows = bench.training_shapes([512, 2048], [64], [torch.bfloat16])
+    assert [(r.b, r.h, r.s, r.causal, r.kv_heads) for r in rows] == [(128, 16, 512, True, 0), (32, 16, 2048, True, 0)]
+    rows = bench.training_shapes([2048], [64, 128], [torch.bfloat16], "both", True, tokens=16384)
+    assert {(r.b, r.d, r.causal, r.kv_heads) for r in rows} == {(8, d, c, g) for d in (64, 128) for c in (True, False)
+                                                                for g in (0, 4)}
+    assert bench.training_shapes([4096], [64], [torch.bfloat16], tokens=1024)[0].b == 1  # at least one sequence
+
+
 def test_bench_round_medians():
     """--rounds: each mode's median over the rounds; a failed round marks the cell."""
     import experiments.attention_bench as bench
@@ -1291,6 +1302,9 @@ def test_config_yaml_is_the_default_config():
     assert FlashConfig.from_key(cfg.key) == cfg
     assert FlashConfig().with_overrides("ws_min_rows=64:512/128:0") == FlashConfig(ws_min_rows={128: 0, 64: 512})
     assert FlashConfig().with_overrides("ws_min_rows=0").ws_rows(80) == 0
+    assert FlashConfig().with_overrides("ws_min_rows={64:512}") == FlashConfig(ws_min_rows={64: 512})
+    with pytest.raises(ConfigError, match="attention_impl.config.ws_min_rows"):
+        FlashConfig().with_overrides("ws_min_rows=64-512")
 
 
 @needs_triton

@@ -20,7 +20,7 @@ from core.errors import ConfigError
 
 TILE_KERNELS = ("fwd", "dq", "dkdv", "fused")
 # "auto"'s Gluon backward from these query rows on, by head dim (docs/attention.md)
-WS_MIN_ROWS = {64: 4096, 80: 2048, 96: 2048, 128: 1024}
+WS_MIN_ROWS = {64: 2048, 80: 2048, 96: 2048, 128: 1024}
 _WS_DEFAULT = tuple(sorted(WS_MIN_ROWS.items()))
 BACKWARDS = ("auto", "two_pass", "atomic_dq", "fused")
 SPLIT_MERGES = ("in_kernel", "separate")
@@ -39,7 +39,7 @@ class FlashConfig:
     fused_max_tiles / fused_max_tiles_wide: "auto" takes the fused backward up to this many batch x heads x 64-row
         tiles, for head dims <= 64 / above 64.
     hopper_ws: the warp-specialised Gluon backward on sm_90 (the atomic-dQ variant's kernel there).
-    ws_min_rows: "auto" takes that kernel from this many query rows on, by head dim ({64: 4096, ...}; a head dim
+    ws_min_rows: "auto" takes that kernel from this many query rows on, by head dim ({64: 2048, ...}; a head dim
         not named: never), or one number for every head dim it takes.
     hopper_fwd: the warp-specialised Gluon forward on sm_90 where it applies (`hopper_forward.fwd_applies`), on
         grids the split-KV forward would not split; hopper_fwd_long_rows: from this many query rows on, its
@@ -208,10 +208,15 @@ def _parse(value: str, current: Any, name: str) -> Any:
         if value.lower() in ("0", "false", "no", "off"):
             return False
         raise ConfigError(f"{_KEY}.{name}", f"{value!r} is not a boolean", "use 0/1 or true/false")
-    if name == "ws_min_rows":  # 2048, or 64:2048/128:1024
-        if ":" not in value:
-            return int(value)
-        return {int(d): int(rows) for d, rows in (pair.split(":") for pair in value.split("/"))}
+    if name == "ws_min_rows":  # 2048, or 64:2048/128:1024 (braces, as Hydra spells a mapping, allowed)
+        text = value.strip().strip("{}")
+        try:
+            if ":" not in text:
+                return int(text)
+            return {int(d): int(rows) for d, rows in (pair.split(":") for pair in text.split("/"))}
+        except ValueError:
+            raise ConfigError(f"{_KEY}.{name}", f"{value!r} is not a row count or head dim:rows pairs",
+                              "write e.g. ws_min_rows=2048 or ws_min_rows=64:2048/128:1024") from None
     if isinstance(current, int) or name == "split_keys":
         if value.lower() in ("none", "null", ""):
             return None

@@ -257,13 +257,14 @@ def _default_bwd(q4: Tensor, k4: Tensor, do4: Tensor | None, cfg: FlashConfig = 
     """The backward variant for these 4-D operands (do4 None: not known yet, as while torch.compile traces; then
     `flash_bwd_impl` checks dO where the Gluon kernel needs it to): `cfg.backward` unless "auto". "auto": the fused
     kernel on small grids (`_use_fused`), the warp-specialised Gluon kernel on Hopper from `cfg.ws_rows(d)` query
-    rows on, else two passes. Measured on the H100 (bf16, batch x heads x rows about 16 x 1M, causal, calls back to
-    back), the Gluon kernel's time against the two-pass backward's at 512 / 1024 / 2048 / 4096 / 8192 rows: d = 64,
-    1.34 / 1.16 / 1.07 / 1.00 / 0.92x (without the mask 1.21x at 512, 1.04x at 2048, 0.90x at 8192; with 8 x 16 heads
-    at 2048, 1.06x); d = 80, 1.15 / 1.03 / 1.01 / 0.96 / 0.91x; d = 96, 1.20 / 1.07 / 1.00 / 0.98 / 0.93x; d = 128,
-    1.11 / 0.95 / 0.88 / 0.84 / 0.79x. On short rows its fixed costs weigh more (the delta kernel, the fp32 dQ
-    buffer's zeros and cast, a program's set-up). The Gluon kernel's fp32 reductions add in any order: not under
-    torch.use_deterministic_algorithms."""
+    rows on, else two passes. Measured on the H100 (bf16, causal, `do_bench`, one process), the backward's time over
+    cuDNN's, the Gluon kernel against the two-pass one: d = 64, 0.97-0.98 against 0.86-0.89 at 1024 rows, 0.92-0.96
+    against 0.93-1.01 at 2048 (8 to 32 x 16 heads; the two-pass kernel, 7 tile matmuls a pair to 5, loses ground as a
+    longer call holds the card at its power limit), 0.92 against 1.09 at 8192. Calls back to back, the Gluon time
+    over the two-pass time at 512 / 1024 / 2048 / 4096 / 8192 rows: d = 80, 1.15 / 1.03 / 1.01 / 0.96 / 0.91x;
+    d = 96, 1.20 / 1.07 / 1.00 / 0.98 / 0.93x; d = 128, 1.11 / 0.95 / 0.88 / 0.84 / 0.79x. On short rows its fixed
+    costs weigh more (the delta kernel, the fp32 dQ buffer's zeros and cast, a program's set-up). The Gluon kernel's
+    fp32 reductions add in any order: not under torch.use_deterministic_algorithms."""
     if cfg.backward != "auto":
         return _BWD_NAMES[cfg.backward]
     z, h, n_q, d = q4.shape
