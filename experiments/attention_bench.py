@@ -7,12 +7,12 @@ Standalone (torch, triton, numpy only; no hydra), one command per table:
     python3 experiments/attention_bench.py --preset quick            # a few shapes, seconds
     python3 experiments/attention_bench.py --preset training         # the shapes training runs use (below)
 
-The `training` preset is the grid a training run hands the kernel: B x H x S about 1M (B x S = 64K tokens,
-S = 512 to 16384, H = 16; `--tokens` sets another B x S), head dims 64, 80 (the CS336 xl / 2.7B models), 96 and
-128, bf16 (`--dtypes bf16,fp16` adds fp16; `--causal both` adds non-causal rows; `--gqa` adds grouped-query rows, 4 query heads per KV head), ours
-against SDPA's flash and cuDNN backends, medians over 3 interleaved rounds. `--layout model` hands every
-implementation its inputs as the model does (q, k, v views of the fused projection, dO laid out (B, S, H, d))
-instead of dense (B, H, S, d) tensors.
+The `training` preset is the grid a training run hands the kernel: B x H x S about 1M (B x S = 64K tokens, S = 512
+to 16384, H = 16; `--tokens` sets another B x S), head dims 64, 80 (the CS336 xl / 2.7B models), 96 and 128, bf16
+(`--dtypes bf16,fp16` adds fp16; `--causal both` adds non-causal rows; `--gqa` adds grouped-query rows, 4 query
+heads per KV head), ours against SDPA's flash and cuDNN backends, medians over 3 interleaved rounds. `--layout
+model` hands every implementation its inputs as the model does (q, k, v views of the fused projection, dO laid out
+(B, S, H, d)) instead of dense (B, H, S, d) tensors.
 
 The table is printed and written to `--out` (default `outputs/bench/attention_bench/<time>_<preset>.md`).
 
@@ -469,6 +469,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the markdown here (default: "
                     "outputs/bench/attention_bench/<time>_<preset>.md)")
     args = ap.parse_args(argv)
+    if args.tokens < 1:
+        ap.error(f"--tokens {args.tokens}: give the tokens a row as a whole number >= 1 (B = tokens / S)")
 
     if not torch.cuda.is_available():
         print("attention_bench: needs a CUDA GPU (run it on a machine with one)", file=sys.stderr)

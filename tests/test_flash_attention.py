@@ -637,8 +637,9 @@ def test_bench_model_layout_inputs():
     assert all(t.is_contiguous() and t.is_leaf and t.requires_grad for t in (q, k, v)) and do.is_contiguous()
 
 
-def test_bench_training_shapes():
-    """--preset training: B x S tokens a row (65536 by default, --tokens otherwise), 16 heads; masks and GQA rows."""
+def test_bench_training_shapes(capsys):
+    """--preset training: B x S tokens a row (65536 by default, --tokens otherwise), 16 heads; masks and GQA rows;
+    --tokens below 1 refused in one line."""
     import experiments.attention_bench as bench
     rows = bench.training_shapes([512, 2048], [64], [torch.bfloat16])
     assert [(r.b, r.h, r.s, r.causal, r.kv_heads) for r in rows] == [(128, 16, 512, True, 0), (32, 16, 2048, True, 0)]
@@ -646,6 +647,9 @@ def test_bench_training_shapes():
     assert {(r.b, r.d, r.causal, r.kv_heads) for r in rows} == {(8, d, c, g) for d in (64, 128) for c in (True, False)
                                                                 for g in (0, 4)}
     assert bench.training_shapes([4096], [64], [torch.bfloat16], tokens=1024)[0].b == 1  # at least one sequence
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--preset", "training", "--tokens", "0"])
+    assert exc.value.code == 2 and "--tokens 0" in capsys.readouterr().err
 
 
 def test_bench_round_medians():
