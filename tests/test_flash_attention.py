@@ -1307,8 +1307,10 @@ def test_config_yaml_is_the_default_config():
     assert FlashConfig().with_overrides("ws_min_rows=64:512/128:0") == FlashConfig(ws_min_rows={128: 0, 64: 512})
     assert FlashConfig().with_overrides("ws_min_rows=0").ws_rows(80) == 0
     assert FlashConfig().with_overrides("ws_min_rows={64:512}") == FlashConfig(ws_min_rows={64: 512})
-    with pytest.raises(ConfigError, match="attention_impl.config.ws_min_rows"):
-        FlashConfig().with_overrides("ws_min_rows=64-512")
+    for spec, key in (("ws_min_rows=64-512", "ws_min_rows"), ("max_splits=abc", "max_splits"),
+                      ("fwd=64x6x", "tiles.fwd"), ("split_keys=x", "split_keys")):
+        with pytest.raises(ConfigError, match=f"attention_impl.config.{key}: .* does not parse"):
+            FlashConfig().with_overrides(spec)
 
 
 @needs_triton

@@ -154,14 +154,22 @@ class FlashConfig:
         names = {f.name: f for f in fields(self)}
         for part in filter(None, spec.split(",")):
             name, _, value = part.partition("=")
-            if name in TILE_KERNELS:
-                tiles[name] = tuple(int(x) for x in value.split("x"))
-            elif name in names and name != "tiles":
-                changes[name] = _parse(value, getattr(self, name), name)
-            else:
+            if name not in TILE_KERNELS and (name not in names or name == "tiles"):
                 raise ConfigError(f"{_KEY}.{name}", f"unknown override {part!r}",
                                   f"use a field ({', '.join(n for n in names if n != 'tiles')}) or a kernel's tiles "
                                   f"({'/'.join(TILE_KERNELS)}=BMxBNxWARPSxSTAGES)")
+            try:
+                if name in TILE_KERNELS:
+                    tiles[name] = tuple(int(x) for x in value.split("x"))
+                else:
+                    changes[name] = _parse(value, getattr(self, name), name)
+            except ConfigError:
+                raise
+            except ValueError:  # a number that does not parse: one line naming the key, no traceback
+                example = {"ws_min_rows": "2048 or 64:2048/128:1024", "split_keys": "256 or none"}.get(
+                    name, "64x64x4x3" if name in TILE_KERNELS else str(getattr(self, name)))
+                key = f"{_KEY}.tiles.{name}" if name in TILE_KERNELS else f"{_KEY}.{name}"
+                raise ConfigError(key, f"{value!r} does not parse", f"write e.g. {name}={example}") from None
         return self.replace(tiles=tiles, **changes)
 
     @staticmethod
@@ -210,13 +218,9 @@ def _parse(value: str, current: Any, name: str) -> Any:
         raise ConfigError(f"{_KEY}.{name}", f"{value!r} is not a boolean", "use 0/1 or true/false")
     if name == "ws_min_rows":  # 2048, or 64:2048/128:1024 (braces, as Hydra spells a mapping, allowed)
         text = value.strip().strip("{}")
-        try:
-            if ":" not in text:
-                return int(text)
-            return {int(d): int(rows) for d, rows in (pair.split(":") for pair in text.split("/"))}
-        except ValueError:
-            raise ConfigError(f"{_KEY}.{name}", f"{value!r} is not a row count or head dim:rows pairs",
-                              "write e.g. ws_min_rows=2048 or ws_min_rows=64:2048/128:1024") from None
+        if ":" not in text:
+            return int(text)
+        return {int(d): int(rows) for d, rows in (pair.split(":") for pair in text.split("/"))}
     if isinstance(current, int) or name == "split_keys":
         if value.lower() in ("none", "null", ""):
             return None
