@@ -153,7 +153,7 @@ def run_timings(lines: list[str], shapes: list[tuple[int, int, int]], d: int) ->
             # `dispatch._default_bwd` picks (the Gluon one from `ws_min_rows` rows at the head dim)
             cfg = FlashConfig()
             fwd = t["fwd_gluon"] if d != 64 or s >= cfg.hopper_fwd_d64_min_rows else t["fwd_triton"]
-            bwd = t["bwd_gluon"] if ftd._default_bwd(q, k, do, cfg) == ftd.BWD_ATOMIC_DQ else t["bwd_triton"]
+            bwd = t["bwd_gluon"] if ftd._default_bwd(q, k, do, True, cfg) == ftd.BWD_ATOMIC_DQ else t["bwd_triton"]
             fc, bc = t["fwd_cudnn"], t["bwd_cudnn"]
             flops = 4 * b * h * s * s * d / 2
             lines.append(f"| {b}, {h}, {s} | {t['fwd_gluon']:.3f} ({t['fwd_gluon'] / fc:.2f}) | "

@@ -1122,32 +1122,37 @@ def test_gluon_ws_only_where_it_applies(monkeypatch):
 
 
 def test_default_backward_policy(monkeypatch):
-    """"auto": fused on small grids, the warp-specialised backward from `ws_min_rows` rows, by head dim, where it
-    applies (but not under torch.use_deterministic_algorithms), else two passes; another `backward` pins its
-    variant."""
+    """"auto": fused on small grids, the warp-specialised backward from `ws_min_rows` rows (half as many without the
+    causal mask), by head dim, where it applies (but not under torch.use_deterministic_algorithms), else two passes;
+    another `backward` pins its variant."""
     monkeypatch.setattr(ftd, "_ws_ok", lambda q, do, d, cfg: cfg.hopper_ws)
     by_d = dict(FlashConfig().ws_min_rows)
     assert set(by_d) == {64, 80, 96, 128}  # every head dim the Gluon backward takes has a threshold
     for d, rows in by_d.items():
         # 4 x 16 heads: grids too large for the fused backward
         at, below = (torch.empty(4, 16, n, d, dtype=torch.bfloat16) for n in (rows, rows // 2))
-        assert ftd._default_bwd(at, at, at) == ft.BWD_ATOMIC_DQ, d
-        assert ftd._default_bwd(below, below, below) == ft.BWD_TWO_PASS, d
-        assert ftd._default_bwd(below, below, below, FlashConfig(ws_min_rows={d: rows // 2})) == ft.BWD_ATOMIC_DQ
-        assert ftd._default_bwd(at, at, at, FlashConfig(ws_min_rows={d: 2 * rows})) == ft.BWD_TWO_PASS
+        assert ftd._default_bwd(at, at, at, True) == ft.BWD_ATOMIC_DQ, d
+        assert ftd._default_bwd(below, below, below, True) == ft.BWD_TWO_PASS, d
+        half = FlashConfig(ws_min_rows={d: rows // 2})
+        assert ftd._default_bwd(below, below, below, True, half) == ft.BWD_ATOMIC_DQ
+        assert ftd._default_bwd(at, at, at, True, FlashConfig(ws_min_rows={d: 2 * rows})) == ft.BWD_TWO_PASS
         # a head dim the mapping does not name never takes it; one number applies to every head dim
-        assert ftd._default_bwd(at, at, at, FlashConfig(ws_min_rows={d + 1: 0})) == ft.BWD_TWO_PASS
-        assert ftd._default_bwd(below, below, below, FlashConfig(ws_min_rows=0)) == ft.BWD_ATOMIC_DQ
+        assert ftd._default_bwd(at, at, at, True, FlashConfig(ws_min_rows={d + 1: 0})) == ft.BWD_TWO_PASS
+        assert ftd._default_bwd(below, below, below, True, FlashConfig(ws_min_rows=0)) == ft.BWD_ATOMIC_DQ
+        # without the mask half as many rows: a row sees every key, twice a causal row's on average
+        quarter = torch.empty(4, 16, rows // 4, d, dtype=torch.bfloat16)
+        assert ftd._default_bwd(below, below, below, False) == ft.BWD_ATOMIC_DQ, d
+        assert ftd._default_bwd(quarter, quarter, quarter, False) == ft.BWD_TWO_PASS, d
     long = torch.empty(4, 16, by_d[64], 64, dtype=torch.bfloat16)
     short = torch.empty(4, 16, by_d[64] // 2, 64, dtype=torch.bfloat16)
     small = torch.empty(1, 1, 256, 64, dtype=torch.bfloat16)
-    assert ftd._default_bwd(small, small, small) == ft.BWD_FUSED
-    assert ftd._default_bwd(long, long, long, FlashConfig(hopper_ws=False)) == ft.BWD_TWO_PASS
+    assert ftd._default_bwd(small, small, small, True) == ft.BWD_FUSED
+    assert ftd._default_bwd(long, long, long, True, FlashConfig(hopper_ws=False)) == ft.BWD_TWO_PASS
     for name, code in (("two_pass", ft.BWD_TWO_PASS), ("atomic_dq", ft.BWD_ATOMIC_DQ), ("fused", ft.BWD_FUSED)):
         for x in (long, short, small):
-            assert ftd._default_bwd(x, x, x, FlashConfig(backward=name)) == code
+            assert ftd._default_bwd(x, x, x, True, FlashConfig(backward=name)) == code
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    assert ftd._default_bwd(long, long, long) == ft.BWD_TWO_PASS
+    assert ftd._default_bwd(long, long, long, True) == ft.BWD_TWO_PASS
 
 
 def _gluon_usable() -> bool:
@@ -1221,7 +1226,7 @@ def test_gpu_default_backward_is_ws_for_long_rows():
     q, k, v = (torch.randn(2, 8, FlashConfig().ws_rows(64), 64, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))
     do = torch.randn_like(q)
-    assert ftd._default_bwd(q, k, do) == ft.BWD_ATOMIC_DQ
+    assert ftd._default_bwd(q, k, do, True) == ft.BWD_ATOMIC_DQ
     o, lse = ft.flash_fwd_impl(q, k, v, True)
     got = ft.flash_bwd_impl(do, q, k, v, o, lse, True, ft.BWD_ATOMIC_DQ)
     ref = ft.flash_bwd_impl(do, q, k, v, o, lse, True, ft.BWD_TWO_PASS)
@@ -1370,7 +1375,7 @@ for d in hf.HEAD_DIMS:
                           (True, hf.WIDE_TILES), (False, hf.WIDE_TILES)):
         if d not in tiles:
             continue
-        block_n, stages, q_bufs, consumers = tiles[d]
+        block_n, stages, q_bufs, consumers = tiles[d][:4]
         constexprs = hf.fwd_constexprs(d, causal, tiles[d])  # what `launch_fwd` compiles
         types = {"LSE": "*fp32"}
         for name in ("Q", "K", "V", "O", "Q_T", "K_T", "V_T", "O_T"):  # 4-D TMA descriptors made on the host
@@ -1546,11 +1551,11 @@ def test_gpu_gluon_fwd_matches(shape_q, n_k, causal, dtype, kv_heads, monkeypatc
     assert launches == [1, 1, 1, 1]  # every forward ran the Gluon kernel
 
 
-def _gluon_fwd_variants(d: int, n_q: int, n_k: int, causal: bool, seed: int, tiles: tuple[int, int, int, int],
+def _gluon_fwd_variants(d: int, n_q: int, n_k: int, causal: bool, seed: int, tiles: tuple[int, ...],
                         variants: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`launch_fwd` once per variant (its keyword arguments) on the same 120 heads (programs walk several query
-    tiles), outputs poisoned with NaN first; each output and logsumexp checked against float64 (rows that see no
-    key: logsumexp -inf). Returns the (output, logsumexp) pairs."""
+    """`launch_fwd` once per variant (its keyword arguments; `tiles` unless a variant names its own) on the same 120
+    heads (programs walk several query tiles), outputs poisoned with NaN first; each output and logsumexp checked
+    against float64 (rows that see no key: logsumexp -inf). Returns the (output, logsumexp) pairs."""
     from core.kernels.flash_triton import hopper_forward as hf
     if not (_gluon_usable() and hf.HAVE_GLUON):
         pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
@@ -1563,7 +1568,7 @@ def _gluon_fwd_variants(d: int, n_q: int, n_k: int, causal: bool, seed: int, til
     for kwargs in variants:
         out = torch.full_like(q, float("nan"))
         lse = torch.full(q.shape[:3], float("nan"), device="cuda", dtype=torch.float32)
-        hf.launch_fwd(q, k, v, out, lse, causal, d ** -0.5, tiles, **kwargs)
+        hf.launch_fwd(q, k, v, out, lse, causal, d ** -0.5, **{"tiles": tiles, **kwargs})
         assert rel_err(out, ref) < TOL[torch.bfloat16], kwargs
         assert torch.equal(torch.isfinite(lse), seen) and (lse[seen].double() - ref_lse[seen]).abs().max() < 1e-3
         outs.append((out, lse))
@@ -1581,6 +1586,26 @@ def test_gpu_gluon_fwd_turns_match(d, n_q, n_k, causal):
     the causal mask: the turns skip those tiles), ragged ends, and several query tiles a program."""
     from core.kernels.flash_triton import hopper_forward as hf
     _gluon_fwd_variants(d, n_q, n_k, causal, 17, hf.FWD_TILES[d], [dict(turns=True), dict(turns=False)])
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tiles,d", [((128, 3, 1, 2), 128), ((64, 4, 2, 2), 128), ((128, 3, 2, 2), 96),
+                                     ((64, 6, 1, 3), 80), ((128, 5, 1, 3), 64)])
+@pytest.mark.parametrize("n_q,n_k,causal", [(600, 600, True), (334, 200, True), (700, 515, False)])
+def test_gpu_gluon_fwd_split_rings_match(tiles, d, n_q, n_k, causal):
+    """A K ring shallower than the V ring (tiles' fifth number; K slots go back after S = Q K^T, V slots after the
+    PV matmul) computes the same sums as one ring of K and V: output and logsumexp bit for bit the same, with the
+    turns, a head-dim tail, swapped halves and skipped key tiles (64-key tiles under the mask), three consumers,
+    the first key tile peeled off the loop or in it, an O buffer of each consumer's own where the shallower ring
+    leaves room for one; and against float64."""
+    from core.kernels.flash_triton import hopper_forward as hf
+    split = (*tiles, tiles[1] - 1)
+    assert hf.fwd_constexprs(d, causal, split)["K_STAGES"] == tiles[1] - 1
+    outs = _gluon_fwd_variants(d, n_q, n_k, causal, 19, tiles, [dict(), dict(tiles=split),
+                                                                dict(tiles=split, first_in_loop=False)])
+    for out, lse in outs[1:]:
+        assert torch.equal(outs[0][0], out) and torch.equal(outs[0][1], lse)
 
 
 @gpu

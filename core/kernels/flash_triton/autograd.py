@@ -70,11 +70,11 @@ class FlashAttentionTriton(torch.autograd.Function):
             # view). The op checks dO when it runs; the variant is picked without it.
             do4 = _as_4d(do)
             dq, dk, dv = torch.ops.scalelab.flash_attn_bwd(do4, q4, k4, v4, o4, lse4, ctx.is_causal,
-                                                           _default_bwd(q4, k4, None, cfg), cfg.key)
+                                                           _default_bwd(q4, k4, None, ctx.is_causal, cfg), cfg.key)
         else:
             do4 = _to_4d(do)
-            dq, dk, dv = flash_bwd_impl(do4, q4, k4, v4, o4, lse4, ctx.is_causal, _default_bwd(q4, k4, do4, cfg),
-                                        cfg)
+            dq, dk, dv = flash_bwd_impl(do4, q4, k4, v4, o4, lse4, ctx.is_causal,
+                                        _default_bwd(q4, k4, do4, ctx.is_causal, cfg), cfg)
         if len(qs) != 4:
             dq, dk, dv = dq.reshape(qs), dk.reshape(ks), dv.reshape(vs)
         tq, tk, tv = ctx.in_dtypes

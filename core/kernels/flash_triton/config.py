@@ -39,8 +39,8 @@ class FlashConfig:
     fused_max_tiles / fused_max_tiles_wide: "auto" takes the fused backward up to this many batch x heads x 64-row
         tiles, for head dims <= 64 / above 64.
     hopper_ws: the warp-specialised Gluon backward on sm_90 (the atomic-dQ variant's kernel there).
-    ws_min_rows: "auto" takes that kernel from this many query rows on, by head dim ({64: 2048, ...}; a head dim
-        not named: never), or one number for every head dim it takes.
+    ws_min_rows: "auto" takes that kernel from this many query rows on under a causal mask, half as many without
+        it, by head dim ({64: 2048, ...}; a head dim not named: never), or one number for every head dim.
     hopper_fwd: the warp-specialised Gluon forward on sm_90 where it applies (`hopper_forward.fwd_applies`), on
         grids the split-KV forward would not split; hopper_fwd_long_rows: from this many query rows on, its
         long-row tiles (three consumers at d = 64, 80, 96; 128-key tiles at 128), below under a causal mask 64-key
@@ -124,14 +124,15 @@ class FlashConfig:
                 return cfg
         return None
 
-    def ws_rows(self, d: int) -> int | None:
-        """The query rows from which "auto" takes the Gluon backward at head dim d (None: never)."""
+    def ws_rows(self, d: int, is_causal: bool = True) -> int | None:
+        """The query rows from which "auto" takes the Gluon backward at head dim d (None: never): `ws_min_rows`'
+        under a causal mask, half as many without it (a row then sees every key, on average twice a causal row's
+        keys, so the kernel's fixed costs weigh as they do on causal rows twice as long)."""
         if isinstance(self.ws_min_rows, int):
-            return self.ws_min_rows
-        for dim, rows in self.ws_min_rows:
-            if dim == d:
-                return rows
-        return None
+            rows = self.ws_min_rows
+        else:
+            rows = next((r for dim, r in self.ws_min_rows if dim == d), None)
+        return rows if rows is None or is_causal else rows // 2
 
     def hopper_fwd_rows(self, d: int, is_causal: bool) -> tuple[int, int, int]:
         """The Gluon forward's row thresholds at head dim d: (from how many query rows it runs, below how many its

@@ -253,7 +253,8 @@ def _ws_ok(q: Tensor, do: Tensor | None, d: int, cfg: FlashConfig = DEFAULT_CONF
     return hopper.ws_applies(q, do, d)
 
 
-def _default_bwd(q4: Tensor, k4: Tensor, do4: Tensor | None, cfg: FlashConfig = DEFAULT_CONFIG) -> int:
+def _default_bwd(q4: Tensor, k4: Tensor, do4: Tensor | None, is_causal: bool,
+                 cfg: FlashConfig = DEFAULT_CONFIG) -> int:
     """The backward variant for these 4-D operands (do4 None: not known yet, as while torch.compile traces; then
     `flash_bwd_impl` checks dO where the Gluon kernel needs it to): `cfg.backward` unless "auto". "auto": the fused
     kernel on small grids (`_use_fused`), the warp-specialised Gluon kernel on Hopper from `cfg.ws_rows(d)` query
@@ -270,7 +271,7 @@ def _default_bwd(q4: Tensor, k4: Tensor, do4: Tensor | None, cfg: FlashConfig = 
     z, h, n_q, d = q4.shape
     if _use_fused(z * h, n_q, k4.shape[2], d, cfg):
         return BWD_FUSED
-    min_rows = cfg.ws_rows(d)
+    min_rows = cfg.ws_rows(d, is_causal)
     if min_rows is not None and n_q >= min_rows and not torch.are_deterministic_algorithms_enabled() \
             and _ws_ok(q4, do4, d, cfg):
         return BWD_ATOMIC_DQ
@@ -279,12 +280,13 @@ def _default_bwd(q4: Tensor, k4: Tensor, do4: Tensor | None, cfg: FlashConfig = 
 
 def _sum_groups(dx: Tensor, x: Tensor, group: int) -> Tensor:
     """dK or dV per query head (Z, H, N_k, d) summed over each KV head's `group` query heads into a gradient laid
-    out like its operand x (`_dense_like`), in fp32 and rounded once (the kernels run per query head, so no two
-    programs add into one row)."""
+    out like its operand x (`_dense_like`), rounded once (the kernels run per query head, so no two programs add
+    into one row). One reduction straight into the gradient: torch sums half-precision inputs in fp32 and rounds
+    the result, so an fp32 sum and a copy (1.8x the bytes moved) would round the same way."""
     if group == 1:
         return dx
     z, h, n, d = dx.shape
-    return _dense_like(x).copy_(dx.view(z, h // group, group, n, d).sum(2, dtype=torch.float32))
+    return torch.sum(dx.view(z, h // group, group, n, d), 2, out=_dense_like(x))
 
 
 def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
@@ -402,7 +404,8 @@ def _op_setup_context(ctx, inputs, output):
 def _op_backward(ctx, do, dlse):
     q, k, v, o, lse = ctx.saved_tensors
     cfg = FlashConfig.from_key(ctx.config)
-    dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, ctx.is_causal, _default_bwd(q, k, do, cfg), ctx.config)
+    variant = _default_bwd(q, k, do, ctx.is_causal, cfg)
+    dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, ctx.is_causal, variant, ctx.config)
     return dq, dk, dv, None, None
 
 

@@ -11,8 +11,9 @@ each, in three or four partitions (`gl.warp_specialize`):
   the TMA loads: the tile's 64-row Q blocks, one per consumer, into one of `Q_BUFS` buffers once the consumers have done
   their last Q K^T with it (a ready and an empty mbarrier each), with the tile's coordinates beside each block in shared
   memory, so the consumers do not walk the schedule's integer divisions themselves (`_post_tile`: 0.91-0.97x the time at
-  S = 512-2048), and each key tile's K and V into a ring of `STAGES` shared-memory slots (a ready mbarrier for K and one
-  for V per slot, and an empty one that the consumers release). The ring runs on across query tiles, so the next tile's
+  S = 512-2048), and each key tile's K and V into rings of shared-memory slots, `STAGES` for V and as many or
+  `K_STAGES` for K (a ready mbarrier per slot, and an empty one that the consumers release: with split rings a K slot
+  after S = Q K^T, `_release_k`; with one ring K with V). The rings run on across query tiles, so the next tile's
   first loads overlap this tile's last matmuls and its epilogue (which a program-per-tile launch exposes on every tile:
   1.07-1.14x the time at 2048 rows);
 - two (or three) consumer warpgroups, 64 query rows each (under a causal mask with 64-key tiles the two take alternate
@@ -90,12 +91,17 @@ except ImportError:  # a Triton without Gluon (or without its Hopper ops)
 HEAD_DIMS = (64, 80, 96, 128)
 # query rows per consumer warpgroup; a program's query tile is `consumers` of them
 HALF_M = 64
-# (BLOCK_N keys per tile, STAGES of the K/V ring, Q_BUFS query-tile buffers, consumer warpgroups) per head dim, the
-# fastest measured within the 227 KB of shared memory a program may have, with the consumers' O buffers where they
-# fit (`_o_own`): d = 128, Q 32 KB + 3 x (K + V) 64 KB = 224 KB (no O buffers); d = 96, 2 x 24 + 3 x 48 + O 24 =
-# 216 KB; d = 80, 20 + 4 x 40 + 20 = 200 KB; d = 64 (its middle rows under a causal mask, 1024 to
+# (BLOCK_N keys per tile, STAGES of the V ring (and of the K ring), Q_BUFS query-tile buffers, consumer warpgroups[,
+# K_STAGES: a shallower K ring]) per head dim, the fastest measured within the 227 KB of shared memory a program may
+# have, with the consumers' O buffers where they fit (`_o_own`): d = 128, 2 x Q 32 KB + 2 x K 32 + 3 x V 32 = 224 KB
+# (no O buffers). A K slot goes back after S = Q K^T, a step before its V slot, so two K slots keep the loads ahead;
+# the slot saved holds a second Q buffer, loaded while the tile before runs, where with one ring of three (K, V)
+# slots and one Q buffer a tile's Q load waited for the O store before it. Against that (one process, H100, the kernel
+# alone, L2 flushed): 0.91x the time at (128, 16, 512) without the mask, 0.96x at (64, 16, 1024), 0.985x at (32, 16,
+# 2048), level (0.99-1.01x) at 4096-16384; causal 0.95x at 2048, 0.985-0.99x at 8192-16384. d = 96, 2 x 24 + 3 x 48
+# + O 24 = 216 KB; d = 80, 20 + 4 x 40 + 20 = 200 KB; d = 64 (its middle rows under a causal mask, 1024 to
 # `FlashConfig.hopper_fwd_d64_long_rows`, and short rows without it), 2 x 16 + 5 x 32 + 16 = 208 KB
-FWD_TILES = {64: (128, 5, 2, 2), 80: (128, 4, 1, 2), 96: (128, 3, 2, 2), 128: (128, 3, 1, 2)}
+FWD_TILES = {64: (128, 5, 2, 2), 80: (128, 4, 1, 2), 96: (128, 3, 2, 2), 128: (128, 3, 2, 2, 2)}
 # ... for short rows under a causal mask (`fwd_tiles`): 64-key tiles, so a row's few key tiles, the last one half
 # masked, make more, smaller pipeline steps, and the two consumers take alternate halves of their query tiles and
 # skip the key tiles wholly masked for their rows (`swap_halves`). Against 128-key tiles: 0.64-0.90x the time at
@@ -273,24 +279,38 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _load_kv(it, row, k_desc, v_desc, kt_desc, vt_desc, k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready,
-                 empty, z, h, kv_bytes: gl.constexpr, STAGES: gl.constexpr, D_TAIL: gl.constexpr):
-        """The key tile from row `row` of K and V into ring slot it % STAGES (`it` counts the program's key tiles
-        over all its query tiles) once both consumers released the tile before in it (a fresh mbarrier passes
-        the wait on phase 1)."""
-        stage = it % STAGES
-        mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(stage), kv_bytes)
-        _tile_load(k_desc, kt_desc, z, h, row, k_ready.index(stage), k_smem.index(stage), kt_smem.index(stage),
-                   D_TAIL)
-        mbarrier.expect(v_ready.index(stage), kv_bytes)
-        _tile_load(v_desc, vt_desc, z, h, row, v_ready.index(stage), v_smem.index(stage), vt_smem.index(stage),
-                   D_TAIL)
+                 k_empty, v_empty, z, h, kv_bytes: gl.constexpr, K_STAGES: gl.constexpr, STAGES: gl.constexpr,
+                 D_TAIL: gl.constexpr):
+        """The key tile from row `row` of K into slot it % K_STAGES of the K ring and of V into slot it % STAGES
+        of the V ring (`it` counts the program's key tiles over all its query tiles), each once every consumer
+        released the tile before in that slot (`_release_k`; a fresh mbarrier passes the wait on phase 1)."""
+        ks = it % K_STAGES
+        vs = it % STAGES
+        if K_STAGES != STAGES:
+            mbarrier.wait(k_empty.index(ks), ((it // K_STAGES) & 1) ^ 1)
+        else:  # one ring: a slot's K and V go back together
+            mbarrier.wait(v_empty.index(vs), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(ks), kv_bytes)
+        _tile_load(k_desc, kt_desc, z, h, row, k_ready.index(ks), k_smem.index(ks), kt_smem.index(ks), D_TAIL)
+        if K_STAGES != STAGES:
+            mbarrier.wait(v_empty.index(vs), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(v_ready.index(vs), kv_bytes)
+        _tile_load(v_desc, vt_desc, z, h, row, v_ready.index(vs), v_smem.index(vs), vt_smem.index(vs), D_TAIL)
+
+    @gluon.jit
+    def _release_k(k_empty, slot, K_STAGES: gl.constexpr, STAGES: gl.constexpr):
+        """A consumer's S = Q K^T has read K slot `slot`: with split rings (K_STAGES != STAGES) the slot goes back to
+        the producer now, a step before its key tile's V slot; with one ring K goes back with V (`v_empty`), after
+        the PV matmul."""
+        if K_STAGES != STAGES:
+            mbarrier.arrive(k_empty.index(slot), count=1)
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
-                  vt_smem, q_ready, q_empty, k_ready, v_ready, empty, info, n_units, n_pairs, n_tiles, n_zh, n_heads,
-                  kv_group, n_k, causal_off, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr, NUM_CONS: gl.constexpr,
+                  vt_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, info, n_units, n_pairs, n_tiles,
+                  n_zh, n_heads, kv_group, n_k, causal_off, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr,
+                  D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, STAGES: gl.constexpr,
+                  Q_BUFS: gl.constexpr, NUM_CONS: gl.constexpr,
                   SWAP: gl.constexpr):
         """TMA loads of the program's query tiles one after the other: a tile's K_0 / V_0, its Q blocks once
         the consumers are done with the Q buffer (Q_BUFS of them in turn), each with the tile's coordinates in
@@ -309,7 +329,7 @@ if HAVE_GLUON:
             if exists:
                 if n_kt > 0:
                     _load_kv(it, 0, k_desc, v_desc, kt_desc, vt_desc, k_smem, v_smem, kt_smem, vt_smem, k_ready,
-                             v_ready, empty, z, hk, kv_bytes, STAGES, D_TAIL)
+                             v_ready, k_empty, v_empty, z, hk, kv_bytes, K_STAGES, STAGES, D_TAIL)
                 qb = (n_done % Q_BUFS) * NUM_CONS
                 for c in gl.static_range(NUM_CONS):
                     _post_tile(info, q_empty, qb + c, n_done, Q_BUFS, pid_zh, z, h, start_m)
@@ -318,7 +338,8 @@ if HAVE_GLUON:
                                q_ready.index(qb + c), q_smem.index(qb + c), qt_smem.index(qb + c), D_TAIL)
                 for i in range(1, n_kt):
                     _load_kv(it + i, i * BLOCK_N, k_desc, v_desc, kt_desc, vt_desc, k_smem, v_smem, kt_smem,
-                             vt_smem, k_ready, v_ready, empty, z, hk, kv_bytes, STAGES, D_TAIL)
+                             vt_smem, k_ready, v_ready, k_empty, v_empty, z, hk, kv_bytes, K_STAGES, STAGES,
+                             D_TAIL)
                 it += n_kt
                 n_done += 1
         qb = (n_done % Q_BUFS) * NUM_CONS
@@ -392,12 +413,14 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _steps(it, start, end, mask_from, q_tile, qt_tile, k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready,
-               empty, o, ot, m_i, l_i, p_op, offs_m, offs_n0, n_k, causal_off, qk_scale, MASKED: gl.constexpr,
-               IS_CAUSAL: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-               mma_s: gl.constexpr, mma_o: gl.constexpr, mma_t: gl.constexpr, turn, g0, ROLE: gl.constexpr,
+               k_empty, v_empty, o, ot, m_i, l_i, p_op, offs_m, offs_n0, n_k, causal_off, qk_scale,
+               MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr,
+               K_STAGES: gl.constexpr, STAGES: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr,
+               mma_t: gl.constexpr, turn, g0, ROLE: gl.constexpr,
                PINGPONG: gl.constexpr, ONE_LOOP: gl.constexpr, EXP_POLY: gl.constexpr):
-        """Key tiles [start, end) (ring slot `it` first): issue S_j, issue O += P_{j-1} V_{j-1}, wait for S_j,
-        softmax of S_j under the PV matmul, wait for it, release slot j-1, rescale O. Returns P_j for the next.
+        """Key tiles [start, end) (the program's key tile `it` first): issue S_j, issue O += P_{j-1} V_{j-1}, wait
+        for S_j and release K_j's slot, softmax of S_j under the PV matmul, wait for it, release V_{j-1}'s slot,
+        rescale O. Returns P_j for the next.
         With PINGPONG the two matmuls are issued in turns with the other consumer (this one's group g0 + it).
         With ONE_LOOP the loop runs a query tile's every key tile: the first one's PV multiplies its own V tile by
         P = 0 (p_op comes in as zeros; a no-op, which keeps one copy of the step's code), and the softmax is masked
@@ -407,12 +430,12 @@ if HAVE_GLUON:
         PV_GROUPS: gl.constexpr = 2 if D_TAIL > 0 else 1
         zero_s = gl.zeros([_HALF_M, BLOCK_N], gl.float32, layout=mma_s)
         for start_n in range(start, end, BLOCK_N):
-            stage = it % STAGES
+            stage = it % K_STAGES
             pv_it = it - 1  # the key tile whose PV this step issues
             if ONE_LOOP:
                 pv_it += (start_n == 0).to(gl.int32)
             prev = pv_it % STAGES
-            mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
+            mbarrier.wait(k_ready.index(stage), (it // K_STAGES) & 1)
             if PINGPONG:  # both operands' tiles in before the turn is taken, so the turn's two issues run back to back
                 mbarrier.wait(v_ready.index(prev), (pv_it // STAGES) & 1)
                 _my_turn(turn, g0 + it, ROLE, PINGPONG)
@@ -422,6 +445,7 @@ if HAVE_GLUON:
             o, ot = _pv(p_op, prev, v_smem, vt_smem, o, ot, D_TAIL)
             _hand_over(turn, ROLE, PINGPONG)
             s = warpgroup_mma_wait(PV_GROUPS, deps=[s])
+            _release_k(k_empty, stage, K_STAGES, STAGES)
             if ONE_LOOP:
                 # only the mask is branched on: one copy of the softmax's code, not a masked and a full one, which
                 # the instruction cache holds better
@@ -434,7 +458,7 @@ if HAVE_GLUON:
                 p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, MASKED, EXP_POLY)
             o, ot, p_op = _pv_wait(o, ot, p_op, D_TAIL)
             # (a first step's V slot is released after the tile's next PV has read it)
-            mbarrier.arrive(empty.index(prev), count=1, pred=(start_n > 0) | (not ONE_LOOP))
+            mbarrier.arrive(v_empty.index(prev), count=1, pred=(start_n > 0) | (not ONE_LOOP))
             o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, mma_o)), 1)
             if D_TAIL > 0:
                 ot = ot * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, mma_t)), 1)
@@ -443,9 +467,10 @@ if HAVE_GLUON:
         return it, o, ot, m_i, l_i, p_op
 
     @gluon.jit
-    def _attend(it, row0, hi, q_tile, qt_tile, q_empty, k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready, empty,
-                n_k, causal_off, qk_scale, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, O_OWN: gl.constexpr, mma_s: gl.constexpr,
+    def _attend(it, row0, hi, q_tile, qt_tile, q_empty, k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready,
+                k_empty, v_empty, n_k, causal_off, qk_scale, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr,
+                D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, STAGES: gl.constexpr,
+                O_OWN: gl.constexpr, mma_s: gl.constexpr,
                 mma_o: gl.constexpr, mma_t: gl.constexpr, turn, g0, ROLE: gl.constexpr, PINGPONG: gl.constexpr,
                 ONE_LOOP: gl.constexpr, EXP_POLY: gl.constexpr):
         """Online softmax of the 64 rows from row0 over keys [0, hi) (at least one key tile), from ring slot `it`,
@@ -470,32 +495,36 @@ if HAVE_GLUON:
         if ONE_LOOP:
             p_op = gl.zeros([_HALF_M, BLOCK_N], dtype, layout=gl.DotOperandLayout(0, mma_o, 2))
             it, o, ot, m_i, l_i, p_op = _steps(it, 0, hi, full_hi, q_tile, qt_tile, k_smem, v_smem, kt_smem,
-                                               vt_smem, k_ready, v_ready, empty, o, ot, m_i, l_i, p_op, offs_m,
-                                               offs_n0, n_k, causal_off, qk_scale, False, IS_CAUSAL, D_TAIL, BLOCK_N,
-                                               STAGES, mma_s, mma_o, mma_t, turn, g0, ROLE, PINGPONG, ONE_LOOP,
+                                               vt_smem, k_ready, v_ready, k_empty, v_empty, o, ot, m_i, l_i, p_op,
+                                               offs_m, offs_n0, n_k, causal_off, qk_scale, False, IS_CAUSAL, D_TAIL,
+                                               BLOCK_N, K_STAGES, STAGES, mma_s, mma_o, mma_t, turn, g0, ROLE, PINGPONG,
+                                               ONE_LOOP,
                                                EXP_POLY)
         else:
             # key tile 0, peeled off the loop (no PV matmul to overlap yet), masked
-            stage = it % STAGES
-            mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
+            stage = it % K_STAGES
+            mbarrier.wait(k_ready.index(stage), (it // K_STAGES) & 1)
             zero_s = gl.zeros([_HALF_M, BLOCK_N], gl.float32, layout=mma_s)
             _my_turn(turn, g0 + it, ROLE, PINGPONG)
             s = _scores(q_tile, qt_tile, stage, k_smem, kt_smem, zero_s, D_TAIL)
             _hand_over(turn, ROLE, PINGPONG)
             s = warpgroup_mma_wait(0, deps=[s])
+            _release_k(k_empty, stage, K_STAGES, STAGES)
             s = _mask(s, offs_m, offs_n0, n_k, causal_off, IS_CAUSAL)
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, True, EXP_POLY)
             p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(0, mma_o, 2))
             it += 1
             it, o, ot, m_i, l_i, p_op = _steps(it, BLOCK_N, full_hi, 0, q_tile, qt_tile, k_smem, v_smem, kt_smem,
-                                               vt_smem, k_ready, v_ready, empty, o, ot, m_i, l_i, p_op, offs_m,
-                                               offs_n0, n_k, causal_off, qk_scale, False, IS_CAUSAL, D_TAIL, BLOCK_N,
-                                               STAGES, mma_s, mma_o, mma_t, turn, g0, ROLE, PINGPONG, ONE_LOOP,
+                                               vt_smem, k_ready, v_ready, k_empty, v_empty, o, ot, m_i, l_i, p_op,
+                                               offs_m, offs_n0, n_k, causal_off, qk_scale, False, IS_CAUSAL, D_TAIL,
+                                               BLOCK_N, K_STAGES, STAGES, mma_s, mma_o, mma_t, turn, g0, ROLE, PINGPONG,
+                                               ONE_LOOP,
                                                EXP_POLY)
             it, o, ot, m_i, l_i, p_op = _steps(it, gl.maximum(full_hi, BLOCK_N), hi, 0, q_tile, qt_tile, k_smem,
-                                               v_smem, kt_smem, vt_smem, k_ready, v_ready, empty, o, ot, m_i, l_i,
-                                               p_op, offs_m, offs_n0, n_k, causal_off, qk_scale, True, IS_CAUSAL,
-                                               D_TAIL, BLOCK_N, STAGES, mma_s, mma_o, mma_t, turn, g0, ROLE, PINGPONG,
+                                               v_smem, kt_smem, vt_smem, k_ready, v_ready, k_empty, v_empty, o, ot,
+                                               m_i, l_i, p_op, offs_m, offs_n0, n_k, causal_off, qk_scale, True,
+                                               IS_CAUSAL, D_TAIL, BLOCK_N, K_STAGES, STAGES, mma_s, mma_o, mma_t, turn,
+                                               g0, ROLE, PINGPONG,
                                                ONE_LOOP, EXP_POLY)
         if O_OWN:  # the producer may load the next tile's Q while the last PV runs
             mbarrier.arrive(q_empty, count=1)
@@ -506,7 +535,7 @@ if HAVE_GLUON:
         o, ot = _pv(p_op, prev, v_smem, vt_smem, o, ot, D_TAIL)
         _hand_over(turn, ROLE, PINGPONG)
         o, ot, p_op = _pv_wait(o, ot, p_op, D_TAIL)
-        mbarrier.arrive(empty.index(prev), count=1)
+        mbarrier.arrive(v_empty.index(prev), count=1)
         return it, o, ot, m_i, l_i
 
     @gluon.jit
@@ -540,9 +569,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _consumer(ROLE: gl.constexpr, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem,
-                  ot_smem, q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off, qk_scale,
-                  IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr,
-                  D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+                  ot_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, info, n_q, n_k, causal_off,
+                  qk_scale, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
+                  BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
                   O_OWN: gl.constexpr, NUM_CONS: gl.constexpr, PINGPONG: gl.constexpr, ONE_LOOP: gl.constexpr,
                   SWAP: gl.constexpr, EXP_POLY: gl.constexpr):
         """Rows ROLE * 64 ... of each of the program's query tiles: attention over the tile's key tiles, then O
@@ -589,8 +618,9 @@ if HAVE_GLUON:
             if my_kt > 0:
                 it, o, ot, m_i, l_i = _attend(it, row0, my_hi, q_smem.index(qb), qt_smem.index(qb),
                                               q_empty.index(qb), k_smem, v_smem, kt_smem, vt_smem, k_ready,
-                                              v_ready, empty, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN,
-                                              D_TAIL, BLOCK_N, STAGES, O_OWN, mma_s, mma_o, mma_t, turn,
+                                              v_ready, k_empty, v_empty, n_k, causal_off, qk_scale, IS_CAUSAL,
+                                              D_MAIN, D_TAIL, BLOCK_N, K_STAGES, STAGES, O_OWN, mma_s, mma_o, mma_t,
+                                              turn,
                                               n_seen, ROLE, PINGPONG, ONE_LOOP, EXP_POLY)
                 n_seen += 1
             else:  # rows past n_q, or causal with n_q > n_k + the rows: no key visible
@@ -604,10 +634,10 @@ if HAVE_GLUON:
                 # key tiles wholly masked for these rows: released as soon as loaded (their scores would add
                 # exp2(-inf) = 0 and leave m unchanged), not computed
                 for j in range(my_kt, n_kt):
-                    stage = it % STAGES
-                    mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
-                    mbarrier.wait(v_ready.index(stage), (it // STAGES) & 1)
-                    mbarrier.arrive(empty.index(stage), count=1)
+                    mbarrier.wait(k_ready.index(it % K_STAGES), (it // K_STAGES) & 1)
+                    mbarrier.wait(v_ready.index(it % STAGES), (it // STAGES) & 1)
+                    _release_k(k_empty, it % K_STAGES, K_STAGES, STAGES)
+                    mbarrier.arrive(v_empty.index(it % STAGES), count=1)
                     it += 1
             # epilogue: O = acc / l into the O buffer (with O_OWN once the previous tile's store has read it;
             # else the Q buffer, whose last reader, the last S = Q K^T, is done), stored by the TMA engine (rows
@@ -634,7 +664,8 @@ if HAVE_GLUON:
     def _fwd_ws_kernel(Q, K, V, O, Q_T, K_T, V_T, O_T, LSE,  # Q, K, V, O (tails Q_T, ... or None): 4-D TMA descriptors
                        n_heads, kv_group, n_q, n_k, causal_off, qk_scale, n_zh,
                        IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, Q_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       K_STAGES: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, O_OWN: gl.constexpr,
                        NUM_CONS: gl.constexpr, PINGPONG: gl.constexpr, ONE_LOOP: gl.constexpr, SWAP: gl.constexpr,
                        EXP_POLY: gl.constexpr):
@@ -651,13 +682,13 @@ if HAVE_GLUON:
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_MAIN], dtype)
         # Q_BUFS buffers of the two consumers' Q blocks (buffer b, consumer c at index 2 b + c)
         q_smem = gl.allocate_shared_memory(dtype, [NUM_CONS * Q_BUFS, _HALF_M, D_MAIN], q_layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_MAIN], kv_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [K_STAGES, BLOCK_N, D_MAIN], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_MAIN], kv_layout)
         if D_TAIL > 0:  # the head dim's tail columns, in buffers of their own width
             qt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HALF_M, D_TAIL], dtype)
             kvt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_TAIL], dtype)
             qt_smem = gl.allocate_shared_memory(dtype, [NUM_CONS * Q_BUFS, _HALF_M, D_TAIL], qt_layout)
-            kt_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_TAIL], kvt_layout)
+            kt_smem = gl.allocate_shared_memory(dtype, [K_STAGES, BLOCK_N, D_TAIL], kvt_layout)
             vt_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_TAIL], kvt_layout)
         else:  # never read
             qt_smem = q_smem
@@ -674,24 +705,29 @@ if HAVE_GLUON:
             ot_smem = qt_smem
         q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONS * Q_BUFS, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONS * Q_BUFS, 1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # the K and V rings: K_STAGES and STAGES slots (a slot's K is read by S = Q K^T, a step before its V by the
+        # PV matmul, so it is free sooner)
+        k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         # a Q block's tile coordinates, from the producer to its consumer (`_post_tile`)
         info = gl.allocate_shared_memory(gl.int32, [NUM_CONS * Q_BUFS, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         for i in gl.static_range(NUM_CONS * Q_BUFS):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=1)
-        for i in gl.static_range(STAGES):
+        for i in gl.static_range(K_STAGES):
             mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=NUM_CONS)  # released by every consumer
+        for i in gl.static_range(STAGES):
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=NUM_CONS)  # released by every consumer
+            mbarrier.init(v_empty.index(i), count=NUM_CONS)
         if PINGPONG:  # turn[c]: consumer c's to issue its next matmuls, handed over by the other (`_hand_over`)
             turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             mbarrier.init(turn.index(0), count=1)
             mbarrier.init(turn.index(1), count=1)
         else:  # never read
-            turn = empty
+            turn = v_empty
         fence_async_shared()
         if PINGPONG:
             mbarrier.arrive(turn.index(0), count=1)  # consumer 0 issues first
@@ -700,45 +736,45 @@ if HAVE_GLUON:
         if NUM_CONS == 3:
             gl.warp_specialize([
                 (_consumer, (0, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
-                             q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off,
-                             qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
-                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP, SWAP, EXP_POLY)),
+                             q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, info, n_q, n_k,
+                             causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, K_STAGES, STAGES, Q_BUFS, O_OWN,
+                             NUM_CONS, PINGPONG, ONE_LOOP, SWAP, EXP_POLY)),
                 (_consumer, (1, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
-                             q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off,
-                             qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
-                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP, SWAP, EXP_POLY)),
+                             q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, info, n_q, n_k,
+                             causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, K_STAGES, STAGES, Q_BUFS, O_OWN,
+                             NUM_CONS, PINGPONG, ONE_LOOP, SWAP, EXP_POLY)),
                 (_consumer, (2, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
-                             q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off,
-                             qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
-                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP, SWAP, EXP_POLY)),
+                             q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, info, n_q, n_k,
+                             causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, K_STAGES, STAGES, Q_BUFS, O_OWN,
+                             NUM_CONS, PINGPONG, ONE_LOOP, SWAP, EXP_POLY)),
                 (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
-                             q_empty, k_ready, v_ready, empty, info, n_units, n_pairs, n_tiles, n_zh, n_heads,
-                             kv_group, n_k, causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, NUM_CONS,
-                             SWAP)),
+                             q_empty, k_ready, v_ready, k_empty, v_empty, info, n_units, n_pairs, n_tiles, n_zh,
+                             n_heads, kv_group, n_k, causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, K_STAGES, STAGES,
+                             Q_BUFS, NUM_CONS, SWAP)),
             ], [4, 4, PRODUCER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (0, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
-                             q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off,
-                             qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
-                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP, SWAP, EXP_POLY)),
+                             q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, info, n_q, n_k,
+                             causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, K_STAGES, STAGES, Q_BUFS, O_OWN,
+                             NUM_CONS, PINGPONG, ONE_LOOP, SWAP, EXP_POLY)),
                 (_consumer, (1, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
-                             q_ready, q_empty, k_ready, v_ready, empty, turn, info, n_q, n_k, causal_off,
-                             qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N,
-                             STAGES, Q_BUFS, O_OWN, NUM_CONS, PINGPONG, ONE_LOOP, SWAP, EXP_POLY)),
+                             q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, info, n_q, n_k,
+                             causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, K_STAGES, STAGES, Q_BUFS, O_OWN,
+                             NUM_CONS, PINGPONG, ONE_LOOP, SWAP, EXP_POLY)),
                 (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
-                             q_empty, k_ready, v_ready, empty, info, n_units, n_pairs, n_tiles, n_zh, n_heads,
-                             kv_group, n_k, causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, STAGES, Q_BUFS, NUM_CONS,
-                             SWAP)),
+                             q_empty, k_ready, v_ready, k_empty, v_empty, info, n_units, n_pairs, n_tiles, n_zh,
+                             n_heads, kv_group, n_k, causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, K_STAGES, STAGES,
+                             Q_BUFS, NUM_CONS, SWAP)),
             ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ---------------------------------------------------------------------- host side
-def _o_own(d: int, block_n: int, stages: int, q_bufs: int, consumers: int) -> bool:
+def _o_own(d: int, block_n: int, stages: int, q_bufs: int, consumers: int, k_stages: int) -> bool:
     """Whether a tile set leaves room for an O buffer per consumer: then a tile's Q buffer goes back to the producer
     after the last S = Q K^T, not after the O store (with one Q buffer that delays the next tile's Q load: 1.08-1.11x
     the time at d = 64 from 8192 rows), and a store's wait moves to the next tile's epilogue."""
-    q_o_kv = consumers * (q_bufs + 1) * HALF_M * d + 2 * stages * block_n * d  # elements (2 bytes) of Q, O, K and V
+    q_o_kv = consumers * (q_bufs + 1) * HALF_M * d + (k_stages + stages) * block_n * d  # elements (2 bytes)
     return 2 * q_o_kv <= SMEM_LIMIT - 1024  # less the mbarriers' kilobyte at most
 
 
@@ -758,7 +794,7 @@ def fwd_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
                and all(s > 0 and s % 8 == 0 for s in t.stride()[:3]) for t in (q, k, v))
 
 
-def fwd_tiles(d: int, n_q: int, is_causal: bool, short_rows: int, long_rows: int) -> tuple[int, int, int, int]:
+def fwd_tiles(d: int, n_q: int, is_causal: bool, short_rows: int, long_rows: int) -> tuple[int, ...]:
     """(BLOCK_N, STAGES, Q_BUFS, consumers) for a forward of n_q query rows: `SHORT_TILES` under a causal mask below
     short_rows rows, `FWD_TILES` below long_rows rows, from there on `WIDE_TILES` where the head dim has them, else
     `FWD_TILES` (the rows: `FlashConfig.hopper_fwd_rows`)."""
@@ -813,18 +849,20 @@ def one_loop(block_n: int, consumers: int) -> bool:
     return not (consumers == 3 and block_n == 64)
 
 
-def fwd_constexprs(d: int, is_causal: bool, tiles: tuple[int, int, int, int], turns: bool | None = None,
+def fwd_constexprs(d: int, is_causal: bool, tiles: tuple[int, ...], turns: bool | None = None,
                    first_in_loop: bool | None = None, swap: bool | None = None, warps: int | None = None,
                    exp_poly: bool | None = None) -> dict:
-    """`_fwd_ws_kernel`'s compile-time parameters for head dim d and tiles (BLOCK_N, STAGES, Q_BUFS, consumers):
+    """`_fwd_ws_kernel`'s compile-time parameters for head dim d and tiles (BLOCK_N, STAGES, Q_BUFS, consumers[,
+    K_STAGES]; the K ring as deep as the V ring's STAGES unless named):
     the policies' choices (`pingpong`, `one_loop`, `swap_halves`, `producer_warps`, `exp2_poly`) where an argument
     does not override them (`launch_fwd`)."""
     d_main, d_tail = common._TILE_D[d]
-    block_n, stages, q_bufs, consumers = tiles
+    block_n, stages, q_bufs, consumers = tiles[:4]
+    k_stages = tiles[4] if len(tiles) > 4 else stages
     turns_on = pingpong(d, block_n, consumers) if turns is None else turns
     return dict(
-        IS_CAUSAL=is_causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, STAGES=stages, Q_BUFS=q_bufs,
-        O_OWN=_o_own(d, block_n, stages, q_bufs, consumers), NUM_CONS=consumers,
+        IS_CAUSAL=is_causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, K_STAGES=k_stages, STAGES=stages,
+        Q_BUFS=q_bufs, O_OWN=_o_own(d, block_n, stages, q_bufs, consumers, k_stages), NUM_CONS=consumers,
         PINGPONG=turns_on,
         ONE_LOOP=one_loop(block_n, consumers) if first_in_loop is None else first_in_loop,
         SWAP=swap_halves(is_causal, block_n, consumers, turns_on) if swap is None else swap,
@@ -858,7 +896,7 @@ class FwdReplay:
 
 
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, sm_scale: float,
-               tiles: tuple[int, int, int, int] | None = None, turns: bool | None = None,
+               tiles: tuple[int, ...] | None = None, turns: bool | None = None,
                first_in_loop: bool | None = None, swap: bool | None = None, warps: int | None = None,
                exp_poly: bool | None = None, replay: bool = False) -> FwdReplay | None:
     """O (preallocated like q, or at any strides a TMA descriptor takes: unit last, 16-byte aligned base and
