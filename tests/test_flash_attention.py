@@ -978,11 +978,11 @@ def compile_sm90(jf, constexprs, types):
 _GLUON_COMPILE = """
 import sys
 from core.kernels.flash_triton import hopper as fg
-head_dim = int(sys.argv[1])
+head_dim, heads = int(sys.argv[1]), int(sys.argv[2])
 assert head_dim in fg.HEAD_DIMS
 import torch
 from triton.runtime.jit import mangle_type
-constexprs = dict(IS_CAUSAL=True, **fg.ws_constexprs(head_dim))
+constexprs = dict(IS_CAUSAL=True, **fg.ws_constexprs(head_dim, heads))
 q = torch.empty(1, 1, 64, head_dim, dtype=torch.bfloat16)  # descriptors made on the host (`launch_ws`)
 descs = fg.ws_descs(q, q, torch.empty(1, 1, 64, 2), torch.empty(1, 1, 64, head_dim))
 types = {name: mangle_type(desc) for name, desc in zip(fg._bwd_ws_kernel.arg_names, descs)}
@@ -1024,14 +1024,15 @@ def compile_in_child(script: str, *args: str) -> None:
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
 
 
-@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
-def test_gluon_ws_compiles_for_sm90(head_dim):
+@pytest.mark.parametrize("head_dim,heads", [(64, 1), (80, 1), (96, 1), (128, 1), (80, 4), (128, 4)])
+def test_gluon_ws_compiles_for_sm90(head_dim, heads):
     """The Gluon backward compiles for sm_90a with the installed Triton, no GPU needed (the CPU machines run a
-    newer Triton than the GPU machine, and Gluon's API moves between releases), at each head dim it takes."""
+    newer Triton than the GPU machine, and Gluon's API moves between releases), at each head dim it takes, with a
+    program per query head and per KV head of 4 query heads (`FlashConfig.ws_gqa_heads`)."""
     from core.kernels.flash_triton import hopper
     if not hopper.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
-    compile_in_child(_GLUON_COMPILE, str(head_dim))
+    compile_in_child(_GLUON_COMPILE, str(head_dim), str(heads))
 
 
 def _frag_position(rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1153,6 +1154,13 @@ def test_default_backward_policy(monkeypatch):
             assert ftd._default_bwd(x, x, x, True, FlashConfig(backward=name)) == code
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert ftd._default_bwd(long, long, long, True) == ft.BWD_TWO_PASS
+    # grouped-query attention in the Gluon backward: a program per KV head (walking its 4 query heads) below
+    # ws_gqa_max_rows query rows under the mask, half as many without it
+    cfg = FlashConfig()
+    assert cfg.ws_gqa_max_rows == 32768
+    assert cfg.ws_gqa_heads(4, 16384, True) == 4 and cfg.ws_gqa_heads(4, 32768, True) == 1
+    assert cfg.ws_gqa_heads(4, 8192, False) == 4 and cfg.ws_gqa_heads(4, 16384, False) == 1
+    assert FlashConfig(ws_gqa_max_rows=0).ws_gqa_heads(4, 512, True) == 1
 
 
 def _gluon_usable() -> bool:
@@ -1196,6 +1204,29 @@ def test_gpu_gluon_ws_matches(shape_q, n_k, causal, dtype):
     rk, rv = torch.autograd.grad(FlashAttentionTriton.apply(q, k, v, causal, TWO_PASS), (k, v), do)
     for a, b in ((gk, rk), (gv, rv)):
         assert torch.allclose(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 80, 96, 128])
+@pytest.mark.parametrize("n_q,n_k,causal", [(334, 334, True), (200, 333, True), (334, 200, True), (516, 515, False)])
+def test_gpu_gluon_ws_walks_a_kv_heads_query_heads(d, n_q, n_k, causal, monkeypatch):
+    """Grouped-query attention (4 query heads per KV head) in the Gluon backward, a program per KV head and key
+    block walking the group's query heads one after the other (the default below `ws_gqa_max_rows`; dK and dV
+    added up in its accumulators and stored once per KV head), and a program per query head (`ws_gqa_max_rows: 0`;
+    dK, dV summed on the host): gradients against float64 over k, v repeated per query head, with ragged ends,
+    N_q != N_k and rows that see no key."""
+    from core.kernels.flash_triton import hopper
+    if not _gluon_usable():
+        pytest.skip("needs an sm_90 GPU and a Triton with Gluon")
+    heads = []
+    launch_ws = hopper.launch_ws
+    monkeypatch.setattr(hopper, "launch_ws", lambda *a, **kw: heads.append(a[-1] if len(a) > 14 else 1)
+                        or launch_ws(*a, **kw))
+    for cfg, walked in ((ATOMIC_DQ, 4), (ATOMIC_DQ.replace(ws_gqa_max_rows=0), 1)):
+        torch.manual_seed(21)
+        check_gqa_against_reference(cfg, 2, 8, 2, n_q, n_k, d, torch.bfloat16, causal)
+        assert heads[-1] == walked
 
 
 @gpu

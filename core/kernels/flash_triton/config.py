@@ -41,6 +41,9 @@ class FlashConfig:
     hopper_ws: the warp-specialised Gluon backward on sm_90 (the atomic-dQ variant's kernel there).
     ws_min_rows: "auto" takes that kernel from this many query rows on under a causal mask, half as many without
         it, by head dim ({64: 2048, ...}; a head dim not named: never), or one number for every head dim.
+    ws_gqa_max_rows: with grouped-query attention the Gluon backward runs a program per KV head (walking its
+        query heads, dK and dV summed in the kernel) below this many query rows under a causal mask, half as many
+        without it; from there on, and with 0 always, a program per query head (dK, dV summed afterwards).
     hopper_fwd: the warp-specialised Gluon forward on sm_90 where it applies (`hopper_forward.fwd_applies`), on
         grids the split-KV forward would not split; hopper_fwd_long_rows: from this many query rows on, its
         long-row tiles (three consumers at d = 64, 80, 96; 128-key tiles at 128), below under a causal mask 64-key
@@ -67,6 +70,7 @@ class FlashConfig:
     # a mapping is kept as sorted (head dim, rows) pairs, like tiles
     ws_min_rows: Mapping[int, int] | tuple[tuple[int, int], ...] | int = field(
         default_factory=lambda: dict(WS_MIN_ROWS))
+    ws_gqa_max_rows: int = 32768
     hopper_fwd: bool = True
     hopper_fwd_long_rows: int = 2048
     hopper_fwd_d64_min_rows: int = 512
@@ -101,8 +105,8 @@ class FlashConfig:
                 raise ConfigError(f"{_KEY}.{name}", f"unknown value {getattr(self, name)!r}",
                                   f"use one of {', '.join(allowed)}")
         object.__setattr__(self, "ws_min_rows", _rows_by_head_dim(self.ws_min_rows, f"{_KEY}.ws_min_rows"))
-        for name in ("fused_max_tiles", "fused_max_tiles_wide", "hopper_fwd_long_rows", "hopper_fwd_d64_min_rows",
-                     "hopper_fwd_d64_short_rows", "hopper_fwd_d64_long_rows", "hopper_fwd_d64_unmasked_long_rows",
+        for name in ("fused_max_tiles", "fused_max_tiles_wide", "ws_gqa_max_rows", "hopper_fwd_long_rows",
+                     "hopper_fwd_d64_min_rows", "hopper_fwd_d64_short_rows", "hopper_fwd_d64_long_rows", "hopper_fwd_d64_unmasked_long_rows",
                      "max_splits", "short_row_tiles"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ConfigError(f"{_KEY}.{name}", f"{getattr(self, name)!r} is not a non-negative integer",
@@ -133,6 +137,12 @@ class FlashConfig:
         else:
             rows = next((r for dim, r in self.ws_min_rows if dim == d), None)
         return rows if rows is None or is_causal else rows // 2
+
+    def ws_gqa_heads(self, group: int, n_q: int, is_causal: bool) -> int:
+        """Query heads a program of the Gluon backward walks: the GQA group below `ws_gqa_max_rows` query rows (half
+        as many without the causal mask), else 1."""
+        rows = n_q if is_causal else 2 * n_q
+        return group if rows < self.ws_gqa_max_rows else 1
 
     def hopper_fwd_rows(self, d: int, is_causal: bool) -> tuple[int, int, int]:
         """The Gluon forward's row thresholds at head dim d: (from how many query rows it runs, below how many its

@@ -310,8 +310,16 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     if variant == BWD_FUSED and z * h > launch._MAX_GRID_Y:  # the fused grid's dim 1 is batch x heads
         variant = BWD_TWO_PASS
     group = h // k.shape[1]  # query heads per KV head (grouped-query attention)
+    atomic_dq = variant == BWD_ATOMIC_DQ
+    ws = atomic_dq and _ws_ok(q, do, d, cfg)
+    if ws:
+        from core.kernels.flash_triton import hopper
+        # query heads a program of the Gluon kernel walks: with GQA the group's, short of long rows
+        heads = cfg.ws_gqa_heads(group, n_q, is_causal)
+    else:
+        heads = 1
     dq = _output_like(q, cfg)
-    if group == 1:
+    if heads == group:  # one gradient per KV head, from the kernels
         dk, dv = _output_like(k, cfg), _output_like(v, cfg)
     else:  # per query head here, summed over each KV head's group at the end (`_sum_groups`)
         dk, dv = (_poisoned(torch.empty((z, h, n_k, d), dtype=k.dtype, device=k.device), cfg) for _ in range(2))
@@ -326,16 +334,13 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         _launch("fused", _fused_tuned if not interpret else None, _bwd_fused_kernel, z * h, n_q, args,
                 is_causal, d, block_d, seq_class, q.dtype, n_k=n_k, tiles=cfg.tile("fused"), TAIL_D=tail_d)
         return dq, _sum_groups(dk, k, group), _sum_groups(dv, v, group)
-    atomic_dq = variant == BWD_ATOMIC_DQ
     dq_tma = atomic_dq and launch._has_tma(q.device) and d % 4 == 0  # TMA: 16-byte rows of the fp32 dQ buffer
     if dq_tma:
         launch._ensure_scratch_allocator()
     # per row, (base-2 logsumexp, delta = rowsum(dO * O)), written by the first launch for the dK/dV pass
     stats = torch.empty((z, h, n_q, 2), device=q.device, dtype=torch.float32)
-    ws = atomic_dq and _ws_ok(q, do, d, cfg)
     if atomic_dq:  # the row stats first; the dK/dV pass then adds dS K into an fp32 buffer
         if ws:
-            from core.kernels.flash_triton import hopper
             dq_acc = hopper.ws_dq_buffer(q)  # its own layout (`ws_dq_buffer`)
         else:
             dq_acc = torch.empty((z, h, n_q, d), device=q.device, dtype=torch.float32)  # zeroed by the delta kernel
@@ -350,9 +355,9 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         dq_acc = stats  # DQ_ACC is not touched without atomics
     if ws:
         # the warp-specialised Gluon kernel adds unscaled dS K tiles
-        hopper.launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_scale, is_causal)
+        hopper.launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_scale, is_causal, heads)
         hopper.ws_dq_finish(dq_acc, dq, sm_scale)
-        return dq, _sum_groups(dk, k, group), _sum_groups(dv, v, group)
+        return dq, _sum_groups(dk, k, group // heads), _sum_groups(dv, v, group // heads)
     dkdv_args = (q, k, v, do, dk, dv, stats, dq_acc, *_strides(q, k, v, do, dk, dv),
                  h, group, n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale, seq_class)
     name, tuned = ("dkdv_atomic", _dkdv_atomic_tuned if not interpret else None) if atomic_dq \

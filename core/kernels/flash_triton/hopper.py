@@ -26,7 +26,10 @@ and the kernel was 5% slower than the two-pass backward; 128 keys in one lockste
 warpgroups each computing a dQ part over its own 64 keys, summed by the second, 7-10% faster; this one, 3-6%
 faster again (2.84 ms against cuDNN's 2.92 under the profiler). The default backward policy uses it for long rows
 (`FlashConfig.hopper_ws`, `ws_min_rows`). Its TMA descriptors are made on the host (`launch_ws`): made in every
-program they cost up to 13% of the time at 2048 rows.
+program they cost up to 13% of the time at 2048 rows. With grouped-query attention a program can walk the query
+heads of its KV head one after the other (`HEADS`, `FlashConfig.ws_gqa_max_rows`): dK and dV add up over the group
+in its accumulators and are written once per KV head, where per query head they took 4x the bytes and a reduction
+afterwards (0.77-0.97x the backward's time up to 8192 rows).
 
 Head dim 128 (`_ws_warpgroup_wide`, `_ws_steps_wide`) keeps the program shape (128 keys, 64 queries a step) but
 not the register plan: per thread, dK and dV alone take 128 of the 255 registers, S^T and dP^T 64 more, so K and
@@ -118,13 +121,14 @@ WS_REGS = 256
 FRAG_ROWS, FRAG_COLS = 128, 32
 
 
-def ws_constexprs(d: int) -> dict:
-    """The compile-time arguments of `_bwd_ws_kernel` but IS_CAUSAL, for head dim d: the head dim as a
-    power-of-two main part and a tail (`common._TILE_D`: 80 = 64 + 16, 96 = 64 + 32)."""
+def ws_constexprs(d: int, heads: int = 1) -> dict:
+    """The compile-time arguments of `_bwd_ws_kernel` but IS_CAUSAL, for head dim d and `heads` query heads a
+    program (`launch_ws`): the head dim as a power-of-two main part and a tail (`common._TILE_D`: 80 = 64 + 16,
+    96 = 64 + 32)."""
     d_main, d_tail = common._TILE_D[d]
     stages, prefetch = WS_RING[d]
     return dict(HEAD_DIM=d_main, D_TAIL=d_tail, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, PREFETCH=prefetch,
-                WS_REGS=WS_REGS)
+                WS_REGS=WS_REGS, HEADS=heads)
 
 
 if HAVE_GLUON:
@@ -161,15 +165,24 @@ if HAVE_GLUON:
         return q_smem, do_smem, qt_smem, dot_smem, stats_smem, ready
 
     @gluon.jit
-    def _load_step(i, lo, stage, q_desc, do_desc, qt_desc, dot_desc, stats_desc, q_smem, do_smem, qt_smem, dot_smem,
-                   stats_smem, ready, stats_row, z, h, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   D_TAIL: gl.constexpr):
-        """TMA loads of step i (query rows lo + i * BLOCK_M ... of head (z, h)) into ring buffer `stage`: Q and dO
-        (and their tails) through 4-D descriptors over (Z, H, N, d), the (lse2, delta) pairs from row
-        stats_row + ... of all heads'."""
+    def _load_step(i, lo, n_h, stage, q_desc, do_desc, qt_desc, dot_desc, stats_desc, q_smem, do_smem, qt_smem,
+                   dot_smem, stats_smem, ready, stats_row0, n_q, z, h0, HEADS: gl.constexpr, BLOCK_M: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, D_TAIL: gl.constexpr):
+        """TMA loads of the program's step i into ring buffer `stage`: its query heads' steps in turn, n_h a head,
+        so step i is query rows lo + (i % n_h) * BLOCK_M ... of head (z, h0 + i // n_h). Q and dO (and their tails)
+        through 4-D descriptors over (Z, H, N, d), the (lse2, delta) pairs from row stats_row0 + (i // n_h) * n_q
+        + ... of all heads' (stats_row0: head h0's first)."""
         tile_bytes: gl.constexpr = 2 * BLOCK_M * (HEAD_DIM + D_TAIL) * q_smem.dtype.primitive_bitwidth // 8 \
             + 8 * BLOCK_M
-        row = lo + i * BLOCK_M
+        if HEADS > 1:
+            g = i // n_h
+            row = lo + (i - g * n_h) * BLOCK_M
+            h = h0 + g
+            stats_row = stats_row0 + g * n_q
+        else:  # (no division where a program walks one head)
+            row = lo + i * BLOCK_M
+            h = h0
+            stats_row = stats_row0
         bar = ready.index(stage)
         mbarrier.expect(bar, tile_bytes)
         _tma_load(q_desc, [z, h, row, 0], bar, q_smem.index(stage).reshape([1, 1, BLOCK_M, HEAD_DIM]))
@@ -296,9 +309,10 @@ if HAVE_GLUON:
 
     # ------------------------------------------------------------------ the warp-specialised one-pass backward
     @gluon.jit
-    def _ws_steps(ROLE: gl.constexpr, it, lo, start, end, n_steps, dk, dv, k_op, v_op, q_desc, do_desc,
+    def _ws_steps(ROLE: gl.constexpr, it, lo, start, end, n_steps, n_h, HEADS: gl.constexpr, dk, dv, k_op, v_op, q_desc,
+                  do_desc,
                   stats_desc, dq_desc, q_smem, do_smem, stats_smem, k_smem, ds_smem, dq_smem, ready, empty, ds_ready,
-                  ds_free, stats_row, z, h, offs_n, n_q, causal_off, qk_scale, MASKED: gl.constexpr,
+                  ds_free, stats_row, stats_row0, z, h0, offs_n, n_q, causal_off, qk_scale, MASKED: gl.constexpr,
                   IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   PREFETCH: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr):
         """The query-tile steps of one of the two warpgroups over [start, end). Both store their dS^T into the
@@ -338,8 +352,8 @@ if HAVE_GLUON:
                 if nxt < n_steps:
                     nstage = nxt % STAGES
                     mbarrier.wait(empty.index(nstage), ((nxt // STAGES) & 1) ^ 1)
-                    _load_step(nxt, lo, nstage, q_desc, do_desc, q_desc, do_desc, stats_desc, q_smem, do_smem,
-                               q_smem, do_smem, stats_smem, ready, stats_row, z, h, BLOCK_M, HEAD_DIM, 0)
+                    _load_step(nxt, lo, n_h, nstage, q_desc, do_desc, q_desc, do_desc, stats_desc, q_smem, do_smem,
+                               q_smem, do_smem, stats_smem, ready, stats_row0, n_q, z, h0, HEADS, BLOCK_M, HEAD_DIM, 0)
             else:
                 # dQ of the 64 queries over both warpgroups' 128 keys, from shared memory (a register A operand
                 # holds the rows its warps own: keys here, not queries), issued before dK to be waited on first
@@ -361,15 +375,17 @@ if HAVE_GLUON:
     @gluon.jit
     def _ws_warpgroup(ROLE: gl.constexpr, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem,
                       stats_smem, k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h, off_hk,
-                      start_cta,
-                      lo, n_steps, stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
+                      start_cta, lo, n_steps, n_h, HEADS: gl.constexpr, h0, stats_row0, stride_kz, stride_kh, stride_kn,
+                      stride_vz,
+                      stride_vh, stride_vn,
                       stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q,
                       n_k, causal_off, qk_scale, sm_scale, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr):
-        """Warpgroup ROLE of a program: keys start_cta + ROLE * BLOCK_N ..., over the program's query steps."""
+        """Warpgroup ROLE of a program: keys start_cta + ROLE * BLOCK_N ... of KV head off_hk, over the program's
+        query steps, n_h for each of its HEADS query heads from h0 (`_bwd_ws_kernel`); dK and dV summed over them,
+        stored as head off_h of DK and DV."""
         start_n = start_cta + ROLE * BLOCK_N
-        z = off_z.to(gl.int32)  # the head's TMA coordinates
-        h = off_h.to(gl.int32)
+        z = off_z.to(gl.int32)  # the heads' TMA coordinates
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
         mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -385,12 +401,15 @@ if HAVE_GLUON:
         # both warpgroups walk the same steps from the program's lo (the second's first ones fully masked), so
         # the ring and the dS hand-over stay in step
         it = 0
-        for rng in gl.static_range(3):
-            start, end = _ranges(rng, lo, start_n, n_q, causal_off, IS_CAUSAL, BLOCK_M, BLOCK_N)
-            it, dk, dv = _ws_steps(ROLE, it, lo, start, end, n_steps, dk, dv, k_op, v_op, q_desc, do_desc,
-                                   stats_desc, dq_desc, q_smem, do_smem, stats_smem, k_smem, ds_smem, dq_smem,
-                                   ready, empty, ds_ready, ds_free, stats_row, z, h, offs_n, n_q, causal_off,
-                                   qk_scale, rng != 1, IS_CAUSAL, BLOCK_M, HEAD_DIM, STAGES, PREFETCH, mma_s, mma_d)
+        for g in range(HEADS):
+            for rng in gl.static_range(3):
+                start, end = _ranges(rng, lo, start_n, n_q, causal_off, IS_CAUSAL, BLOCK_M, BLOCK_N)
+                it, dk, dv = _ws_steps(ROLE, it, lo, start, end, n_steps, n_h, HEADS, dk, dv, k_op, v_op, q_desc,
+                                       do_desc,
+                                       stats_desc, dq_desc, q_smem, do_smem, stats_smem, k_smem, ds_smem, dq_smem,
+                                       ready, empty, ds_ready, ds_free, stats_row0 + g * n_q, stats_row0, z, h0,
+                                       offs_n, n_q, causal_off, qk_scale, rng != 1, IS_CAUSAL, BLOCK_M, HEAD_DIM,
+                                       STAGES, PREFETCH, mma_s, mma_d)
         dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
         if ROLE == 1:
             tma.store_wait(0)
@@ -399,9 +418,11 @@ if HAVE_GLUON:
 
     # ------------------------------------------- head dims 80-128: K and V in shared memory, dQ split by columns
     @gluon.jit
-    def _ws_steps_wide(ROLE: gl.constexpr, it, lo, start, end, n_steps, dk, dv, dkt, dvt, q_desc, do_desc, qt_desc,
-                       dot_desc, stats_desc, dq_desc, q_smem, do_smem, qt_smem, dot_smem, stats_smem, k_smem, v_smem,
-                       kt_smem, vt_smem, ds_smem, dq_buf, ready, empty, ds_ready, ds_free, stats_row, z, h, offs_n,
+    def _ws_steps_wide(ROLE: gl.constexpr, it, lo, start, end, n_steps, n_h, HEADS: gl.constexpr, dk, dv, dkt, dvt,
+                       q_desc, do_desc,
+                       qt_desc, dot_desc, stats_desc, dq_desc, q_smem, do_smem, qt_smem, dot_smem, stats_smem, k_smem,
+                       v_smem, kt_smem, vt_smem, ds_smem, dq_buf, ready, empty, ds_ready, ds_free, stats_row,
+                       stats_row0, z, h, h0, offs_n,
                        n_q, causal_off, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
                        BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, D_TAIL: gl.constexpr, STAGES: gl.constexpr,
                        PREFETCH: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr, mma_t: gl.constexpr,
@@ -473,8 +494,9 @@ if HAVE_GLUON:
                 if nxt < n_steps:
                     nstage = nxt % STAGES
                     mbarrier.wait(empty.index(nstage), ((nxt // STAGES) & 1) ^ 1)
-                    _load_step(nxt, lo, nstage, q_desc, do_desc, qt_desc, dot_desc, stats_desc, q_smem, do_smem,
-                               qt_smem, dot_smem, stats_smem, ready, stats_row, z, h, BLOCK_M, HEAD_DIM, D_TAIL)
+                    _load_step(nxt, lo, n_h, nstage, q_desc, do_desc, qt_desc, dot_desc, stats_desc, q_smem,
+                               do_smem, qt_smem, dot_smem, stats_smem, ready, stats_row0, n_q, z, h0, HEADS,
+                               BLOCK_M, HEAD_DIM, D_TAIL)
             # dV and dQ done: only dK in flight into the next step
             if D_TAIL > 0:
                 dq, dv, dvt = warpgroup_mma_wait(parts, deps=[dq, dv, dvt])
@@ -516,15 +538,16 @@ if HAVE_GLUON:
     def _ws_warpgroup_wide(ROLE: gl.constexpr, K, V, DK, DV, q_desc, do_desc, qt_desc, dot_desc, stats_desc, dq_desc,
                            q_smem, do_smem, qt_smem, dot_smem, stats_smem, k_smem, v_smem, kt_smem, vt_smem, ds_smem,
                            dq_buf, ready, empty, ds_ready, ds_free, off_z, off_h, off_hk, start_cta, lo, n_steps,
-                           stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn, stride_dkz,
+                           n_h, HEADS: gl.constexpr, h0, stats_row0, stride_kz, stride_kh, stride_kn, stride_vz,
+                           stride_vh, stride_vn,
+                           stride_dkz,
                            stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k, causal_off, qk_scale,
                            sm_scale, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, D_TAIL: gl.constexpr,
                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                            PREFETCH: gl.constexpr):
         """`_ws_warpgroup` for head dims 80-128 (`_ws_steps_wide`): HEAD_DIM main columns and D_TAIL more."""
         start_n = start_cta + ROLE * BLOCK_N
-        z = off_z.to(gl.int32)  # the head's TMA coordinates
-        h = off_h.to(gl.int32)
+        z = off_z.to(gl.int32)  # the heads' TMA coordinates
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
         mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -555,14 +578,16 @@ if HAVE_GLUON:
             dkt = gl.zeros([128], gl.float32, layout=gl.BlockedLayout([1], [32], [4], [0]))
             dvt = dkt
         it = 0
-        for rng in gl.static_range(3):
-            start, end = _ranges(rng, lo, start_n, n_q, causal_off, IS_CAUSAL, BLOCK_M, BLOCK_N)
-            it, dk, dv, dkt, dvt = _ws_steps_wide(ROLE, it, lo, start, end, n_steps, dk, dv, dkt, dvt, q_desc,
-                                                  do_desc, qt_desc, dot_desc, stats_desc, dq_desc, q_smem, do_smem,
-                                                  qt_smem, dot_smem, stats_smem, k_smem, v_smem, kt_smem, vt_smem,
-                                                  ds_smem, dq_buf, ready, empty, ds_ready, ds_free, stats_row, z, h,
-                                                  offs_n, n_q, causal_off, qk_scale, rng != 1, IS_CAUSAL, BLOCK_M,
-                                                  HEAD_DIM, D_TAIL, STAGES, PREFETCH, mma_s, mma_d, mma_t, mma_q)
+        for g in range(HEADS):
+            for rng in gl.static_range(3):
+                start, end = _ranges(rng, lo, start_n, n_q, causal_off, IS_CAUSAL, BLOCK_M, BLOCK_N)
+                it, dk, dv, dkt, dvt = _ws_steps_wide(ROLE, it, lo, start, end, n_steps, n_h, HEADS, dk, dv, dkt, dvt,
+                                                      q_desc, do_desc, qt_desc, dot_desc, stats_desc, dq_desc, q_smem,
+                                                      do_smem, qt_smem, dot_smem, stats_smem, k_smem, v_smem, kt_smem,
+                                                      vt_smem, ds_smem, dq_buf, ready, empty, ds_ready, ds_free,
+                                                      stats_row0 + g * n_q, stats_row0, z, h0 + g, h0, offs_n, n_q,
+                                                      causal_off, qk_scale, rng != 1, IS_CAUSAL, BLOCK_M, HEAD_DIM,
+                                                      D_TAIL, STAGES, PREFETCH, mma_s, mma_d, mma_t, mma_q)
         dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
         tma.store_wait(0)
         # through this warpgroup's V buffers (their last readers are done)
@@ -579,9 +604,13 @@ if HAVE_GLUON:
                        stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
                        n_heads, kv_group, n_q, n_k, causal_off, qk_scale, sm_scale,
                        IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr, WS_REGS: gl.constexpr):
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr, WS_REGS: gl.constexpr,
+                       HEADS: gl.constexpr):
         # HEAD_DIM: the head dim's main part; D_TAIL: its tail (qt_desc, dot_desc: Q's and dO's tail columns;
-        # dqt_desc: the dQ buffer's columns the second warpgroup reduces into, from HEAD_DIM // 2 at 128)
+        # dqt_desc: the dQ buffer's columns the second warpgroup reduces into, from HEAD_DIM // 2 at 128).
+        # HEADS: query heads a program walks (1, or with grouped-query attention up to kv_group, which it divides),
+        # their steps one head after the other, with dK and dV summed over them in the accumulators: DK and DV have
+        # n_heads // HEADS heads (`launch_ws`)
         gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
         gl.static_assert(PREFETCH < STAGES)
         gl.static_assert((HEAD_DIM == 64) | (HEAD_DIM == 128), "main parts 64 or 128 wide")
@@ -589,15 +618,18 @@ if HAVE_GLUON:
         # head-major 1-D grid (launch._grid): the resident programs share one head's Q, dO and dQ rows in L2
         n_blocks = gl.cdiv(n_k, 2 * BLOCK_N)
         pid = gl.program_id(0)
-        pid_zh = pid // n_blocks
+        pid_zh = pid // n_blocks  # (batch, head of DK and DV)
         start_cta = (pid % n_blocks) * (2 * BLOCK_N)
-        off_z = (pid_zh // n_heads).to(gl.int64)
-        off_h = (pid_zh % n_heads).to(gl.int64)
+        n_out_heads = n_heads // HEADS
+        off_z = (pid_zh // n_out_heads).to(gl.int64)
+        off_h = (pid_zh % n_out_heads).to(gl.int64)
+        h0 = (off_h * HEADS).to(gl.int32)  # the first query head
         dtype: gl.constexpr = q_desc.dtype
         # head dims 80-128: K and V in shared memory, each warpgroup reduces dQ for its columns (`_ws_steps_wide`)
         WIDE: gl.constexpr = (HEAD_DIM > 64) | (D_TAIL > 0)
-        stats_row = pid_zh * n_q
-        lo, n_steps = _query_steps(start_cta, n_q, causal_off, IS_CAUSAL, BLOCK_M)
+        stats_row0 = (off_z.to(gl.int32) * n_heads + h0) * n_q
+        lo, n_h = _query_steps(start_cta, n_q, causal_off, IS_CAUSAL, BLOCK_M)
+        n_steps = HEADS * n_h
         q_smem, do_smem, qt_smem, dot_smem, stats_smem, ready = _ring(STAGES, BLOCK_M, HEAD_DIM, D_TAIL, dtype)
         # dS^T of both warpgroups, two buffers (by step parity)
         ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * BLOCK_N, BLOCK_M],
@@ -613,8 +645,8 @@ if HAVE_GLUON:
             mbarrier.init(ds_free.index(i), count=2 if WIDE else 1)
         for i in gl.static_range(PREFETCH):
             if i < n_steps:
-                _load_step(i, lo, i, q_desc, do_desc, qt_desc, dot_desc, stats_desc, q_smem, do_smem, qt_smem,
-                           dot_smem, stats_smem, ready, stats_row, off_z.to(gl.int32), off_h.to(gl.int32), BLOCK_M,
+                _load_step(i, lo, n_h, i, q_desc, do_desc, qt_desc, dot_desc, stats_desc, q_smem, do_smem, qt_smem,
+                           dot_smem, stats_smem, ready, stats_row0, n_q, off_z.to(gl.int32), h0, HEADS, BLOCK_M,
                            HEAD_DIM, D_TAIL)
         # (the argument tuples are spelled out: a tuple built in Gluon code drops its constexprs)
         if WIDE:
@@ -643,14 +675,16 @@ if HAVE_GLUON:
                 (_ws_warpgroup_wide, (0, K, V, DK, DV, q_desc, do_desc, qt_desc, dot_desc, stats_desc, dq_desc,
                                       q_smem, do_smem, qt_smem, dot_smem, stats_smem, k_smem, v_smem, kt_smem,
                                       vt_smem, ds_smem, dq0_smem, ready, empty, ds_ready, ds_free, off_z, off_h,
-                                      off_h // kv_group, start_cta, lo, n_steps, stats_row, stride_kz, stride_kh,
+                                      h0 // kv_group, start_cta, lo, n_steps, n_h, HEADS, h0, stats_row0, stride_kz,
+                                      stride_kh,
                                       stride_kn, stride_vz, stride_vh, stride_vn, stride_dkz, stride_dkh, stride_dkn,
                                       stride_dvz, stride_dvh, stride_dvn, n_q, n_k, causal_off, qk_scale, sm_scale,
                                       IS_CAUSAL, HEAD_DIM, D_TAIL, BLOCK_M, BLOCK_N, STAGES, PREFETCH)),
                 (_ws_warpgroup_wide, (1, K, V, DK, DV, q_desc, do_desc, qt_desc, dot_desc, stats_desc, dqt_desc,
                                       q_smem, do_smem, qt_smem, dot_smem, stats_smem, k_smem, v_smem, kt_smem,
                                       vt_smem, ds_smem, dq1_smem, ready, empty, ds_ready, ds_free, off_z, off_h,
-                                      off_h // kv_group, start_cta, lo, n_steps, stats_row, stride_kz, stride_kh,
+                                      h0 // kv_group, start_cta, lo, n_steps, n_h, HEADS, h0, stats_row0, stride_kz,
+                                      stride_kh,
                                       stride_kn, stride_vz, stride_vh, stride_vn, stride_dkz, stride_dkh, stride_dkn,
                                       stride_dvz, stride_dvh, stride_dvn, n_q, n_k, causal_off, qk_scale, sm_scale,
                                       IS_CAUSAL, HEAD_DIM, D_TAIL, BLOCK_M, BLOCK_N, STAGES, PREFETCH)),
@@ -663,15 +697,15 @@ if HAVE_GLUON:
             gl.warp_specialize([
                 (_ws_warpgroup, (0, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem,
                                  k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h,
-                                 off_h // kv_group, start_cta, lo,
-                                 n_steps, stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
+                                 h0 // kv_group, start_cta, lo, n_steps, n_h, HEADS, h0, stats_row0, stride_kz,
+                                 stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                                  stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k,
                                  causal_off, qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
                                  PREFETCH)),
                 (_ws_warpgroup, (1, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem,
                                  k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h,
-                                 off_h // kv_group, start_cta, lo,
-                                 n_steps, stats_row, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
+                                 h0 // kv_group, start_cta, lo, n_steps, n_h, HEADS, h0, stats_row0, stride_kz,
+                                 stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                                  stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k,
                                  causal_off, qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
                                  PREFETCH)),
@@ -794,13 +828,16 @@ def ws_dq_finish(dq_acc: Tensor, dq: Tensor, sm_scale: float) -> None:
                  dq_acc.shape[2] // BLOCK_M, sm_scale), 3, BLOCKS=main // 64, TAIL=tail, num_warps=8 if d == 128 else 4)
 
 
-def launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_scale, is_causal) -> None:
+def launch_ws(q, k, v, do, dk, dv, stats, dq_acc, h, n_q, n_k, causal_off, sm_scale, is_causal,
+              heads: int = 1) -> None:
     """dK, dV, and the unscaled dQ = dS K added into the zeroed fp32 `dq_acc` ((Z, H, N_q, d), contiguous), from
-    the delta kernel's `stats` ((Z, H, N_q, 2) fp32, contiguous)."""
+    the delta kernel's `stats` ((Z, H, N_q, 2) fp32, contiguous). Each program walks `heads` query heads, one after
+    the other, and dk, dv have H / heads heads: with heads = 1 one per query head, with the GQA group size
+    (`FlashConfig.ws_gqa_heads`) one per KV head, dK and dV summed over the group in the program's accumulators."""
     z, _, _, d = q.shape
     strides = tuple(s for t in (k, v, dk, dv) for s in t.stride()[:3])
     scalars = (h, h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E, sm_scale)
     # two warpgroups of 64 keys per program, head by head
-    launch._run(_bwd_ws_kernel, (z * h * _cdiv(n_k, WS_KEYS),),
+    launch._run(_bwd_ws_kernel, (z * (h // heads) * _cdiv(n_k, WS_KEYS),),
                 (*ws_descs(q, do, stats, dq_acc), k, v, dk, dv, *strides, *scalars), 11, IS_CAUSAL=is_causal,
-                **ws_constexprs(d), num_warps=4)
+                **ws_constexprs(d, heads), num_warps=4)
