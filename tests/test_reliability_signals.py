@@ -156,6 +156,19 @@ def _worker_pids(parent: int) -> list[int]:
     return [int(p) for p in kids if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 
+def test_a_collective_timeout_is_recognised_however_the_backend_words_it():
+    """The rank whose collective timed out names the stopped peers (`DeviceMesh.blame_stalled_ranks`) for each
+    wording gloo and NCCL use; gloo's "pair closure" one once reached the job's error as it was, blaming rank 0."""
+    from core.distributed.mesh import _timed_out
+    for message in ("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 20000ms for recv operation to "
+                    "complete", "Application timeout caused pair closure",
+                    "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE) ran "
+                    "for 20000 milliseconds before timing out."):
+        assert _timed_out(RuntimeError(message)), message
+    assert not _timed_out(RuntimeError("Connection reset by peer"))
+    assert not _timed_out(ValueError("timed out"))  # not a collective's error
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc to find the ranks")
 def test_stopped_rank_ends_the_job_within_its_timeout_and_is_named(tmp_path):

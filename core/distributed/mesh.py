@@ -42,6 +42,14 @@ def dist_env_present() -> bool:
 DEFAULT_JOIN_TIMEOUT_S = 600.0
 
 
+def _timed_out(exc: BaseException) -> bool:
+    """Whether a collective's error says it timed out. Gloo words it "Timed out waiting 20000ms for recv
+    operation to complete", or "Application timeout caused pair closure" where the pair closed on the timeout
+    first; NCCL's watchdog "... collective operation timeout ..."."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)
+
+
 def init_process_group(backend: str, timeout_s: float, join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
                        **kwargs) -> dist.Store:
     """`dist.init_process_group` for a process that will leave through `destroy_process_groups()`.
@@ -231,7 +239,7 @@ class ParallelMesh:
     def blame_stalled_ranks(self, exc: BaseException) -> RankStalledError | None:
         """For a collective that timed out (`exc`), an error naming the ranks that stopped making progress
         (their heartbeats stood still), to raise instead of blaming this rank; None for other errors."""
-        if self._heartbeat is None or not isinstance(exc, RuntimeError) or "timed out" not in str(exc).lower():
+        if self._heartbeat is None or not _timed_out(exc):
             return None
         stalled = self._heartbeat.stalled_ranks()
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
