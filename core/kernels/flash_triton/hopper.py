@@ -310,11 +310,10 @@ if HAVE_GLUON:
     # ------------------------------------------------------------------ the warp-specialised one-pass backward
     @gluon.jit
     def _ws_steps(ROLE: gl.constexpr, it, lo, start, end, n_steps, n_h, HEADS: gl.constexpr, dk, dv, k_op, v_op, q_desc,
-                  do_desc,
-                  stats_desc, dq_desc, q_smem, do_smem, stats_smem, k_smem, ds_smem, dq_smem, ready, empty, ds_ready,
-                  ds_free, stats_row, stats_row0, z, h0, offs_n, n_q, causal_off, qk_scale, MASKED: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  PREFETCH: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr):
+                  do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem, k_smem, ds_smem, dq_smem, ready, empty,
+                  ds_ready, ds_free, stats_row, stats_row0, z, h0, offs_n, n_q, causal_off, qk_scale,
+                  MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  STAGES: gl.constexpr, PREFETCH: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr):
         """The query-tile steps of one of the two warpgroups over [start, end). Both store their dS^T into the
         step's shared buffer (two, by step parity); ROLE 1 then computes the step's dQ = dS K over all 128 keys
         in one wgmma and reduces it into DQ_ACC, and ROLE 0 issues the TMA loads PREFETCH steps ahead."""
@@ -376,11 +375,10 @@ if HAVE_GLUON:
     def _ws_warpgroup(ROLE: gl.constexpr, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem,
                       stats_smem, k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h, off_hk,
                       start_cta, lo, n_steps, n_h, HEADS: gl.constexpr, h0, stats_row0, stride_kz, stride_kh, stride_kn,
-                      stride_vz,
-                      stride_vh, stride_vn,
-                      stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q,
-                      n_k, causal_off, qk_scale, sm_scale, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr):
+                      stride_vz, stride_vh, stride_vn, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh,
+                      stride_dvn, n_q, n_k, causal_off, qk_scale, sm_scale, IS_CAUSAL: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      PREFETCH: gl.constexpr):
         """Warpgroup ROLE of a program: keys start_cta + ROLE * BLOCK_N ... of KV head off_hk, over the program's
         query steps, n_h for each of its HEADS query heads from h0 (`_bwd_ws_kernel`); dK and dV summed over them,
         stored as head off_h of DK and DV."""
@@ -405,10 +403,9 @@ if HAVE_GLUON:
             for rng in gl.static_range(3):
                 start, end = _ranges(rng, lo, start_n, n_q, causal_off, IS_CAUSAL, BLOCK_M, BLOCK_N)
                 it, dk, dv = _ws_steps(ROLE, it, lo, start, end, n_steps, n_h, HEADS, dk, dv, k_op, v_op, q_desc,
-                                       do_desc,
-                                       stats_desc, dq_desc, q_smem, do_smem, stats_smem, k_smem, ds_smem, dq_smem,
-                                       ready, empty, ds_ready, ds_free, stats_row0 + g * n_q, stats_row0, z, h0,
-                                       offs_n, n_q, causal_off, qk_scale, rng != 1, IS_CAUSAL, BLOCK_M, HEAD_DIM,
+                                       do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem, k_smem, ds_smem,
+                                       dq_smem, ready, empty, ds_ready, ds_free, stats_row0 + g * n_q, stats_row0, z,
+                                       h0, offs_n, n_q, causal_off, qk_scale, rng != 1, IS_CAUSAL, BLOCK_M, HEAD_DIM,
                                        STAGES, PREFETCH, mma_s, mma_d)
         dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
         if ROLE == 1:
@@ -419,14 +416,12 @@ if HAVE_GLUON:
     # ------------------------------------------- head dims 80-128: K and V in shared memory, dQ split by columns
     @gluon.jit
     def _ws_steps_wide(ROLE: gl.constexpr, it, lo, start, end, n_steps, n_h, HEADS: gl.constexpr, dk, dv, dkt, dvt,
-                       q_desc, do_desc,
-                       qt_desc, dot_desc, stats_desc, dq_desc, q_smem, do_smem, qt_smem, dot_smem, stats_smem, k_smem,
-                       v_smem, kt_smem, vt_smem, ds_smem, dq_buf, ready, empty, ds_ready, ds_free, stats_row,
-                       stats_row0, z, h, h0, offs_n,
-                       n_q, causal_off, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                       BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, D_TAIL: gl.constexpr, STAGES: gl.constexpr,
-                       PREFETCH: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr, mma_t: gl.constexpr,
-                       mma_q: gl.constexpr):
+                       q_desc, do_desc, qt_desc, dot_desc, stats_desc, dq_desc, q_smem, do_smem, qt_smem, dot_smem,
+                       stats_smem, k_smem, v_smem, kt_smem, vt_smem, ds_smem, dq_buf, ready, empty, ds_ready, ds_free,
+                       stats_row, stats_row0, z, h, h0, offs_n, n_q, causal_off, qk_scale, MASKED: gl.constexpr,
+                       IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, D_TAIL: gl.constexpr,
+                       STAGES: gl.constexpr, PREFETCH: gl.constexpr, mma_s: gl.constexpr, mma_d: gl.constexpr,
+                       mma_t: gl.constexpr, mma_q: gl.constexpr):
         """`_ws_steps` for head dims 80-128, both warpgroups alike: K and V (and their tails) are shared-memory A
         operands, and each warpgroup computes the step's dQ over all 128 keys for its part of the head dim (a whole
         64 x d dQ does not fit beside dK, dV, S^T and dP^T: at 128 each takes half, at 80 / 96 the first the main
@@ -537,13 +532,11 @@ if HAVE_GLUON:
     @gluon.jit
     def _ws_warpgroup_wide(ROLE: gl.constexpr, K, V, DK, DV, q_desc, do_desc, qt_desc, dot_desc, stats_desc, dq_desc,
                            q_smem, do_smem, qt_smem, dot_smem, stats_smem, k_smem, v_smem, kt_smem, vt_smem, ds_smem,
-                           dq_buf, ready, empty, ds_ready, ds_free, off_z, off_h, off_hk, start_cta, lo, n_steps,
-                           n_h, HEADS: gl.constexpr, h0, stats_row0, stride_kz, stride_kh, stride_kn, stride_vz,
-                           stride_vh, stride_vn,
-                           stride_dkz,
-                           stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k, causal_off, qk_scale,
-                           sm_scale, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, D_TAIL: gl.constexpr,
-                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                           dq_buf, ready, empty, ds_ready, ds_free, off_z, off_h, off_hk, start_cta, lo, n_steps, n_h,
+                           HEADS: gl.constexpr, h0, stats_row0, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh,
+                           stride_vn, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k,
+                           causal_off, qk_scale, sm_scale, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           D_TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                            PREFETCH: gl.constexpr):
         """`_ws_warpgroup` for head dims 80-128 (`_ws_steps_wide`): HEAD_DIM main columns and D_TAIL more."""
         start_n = start_cta + ROLE * BLOCK_N
@@ -673,18 +666,16 @@ if HAVE_GLUON:
                 dq1_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQ1], _DQ_FRAG)
             gl.warp_specialize([
                 (_ws_warpgroup_wide, (0, K, V, DK, DV, q_desc, do_desc, qt_desc, dot_desc, stats_desc, dq_desc,
-                                      q_smem, do_smem, qt_smem, dot_smem, stats_smem, k_smem, v_smem, kt_smem,
-                                      vt_smem, ds_smem, dq0_smem, ready, empty, ds_ready, ds_free, off_z, off_h,
-                                      h0 // kv_group, start_cta, lo, n_steps, n_h, HEADS, h0, stats_row0, stride_kz,
-                                      stride_kh,
+                                      q_smem, do_smem, qt_smem, dot_smem, stats_smem, k_smem, v_smem, kt_smem, vt_smem,
+                                      ds_smem, dq0_smem, ready, empty, ds_ready, ds_free, off_z, off_h, h0 // kv_group,
+                                      start_cta, lo, n_steps, n_h, HEADS, h0, stats_row0, stride_kz, stride_kh,
                                       stride_kn, stride_vz, stride_vh, stride_vn, stride_dkz, stride_dkh, stride_dkn,
                                       stride_dvz, stride_dvh, stride_dvn, n_q, n_k, causal_off, qk_scale, sm_scale,
                                       IS_CAUSAL, HEAD_DIM, D_TAIL, BLOCK_M, BLOCK_N, STAGES, PREFETCH)),
                 (_ws_warpgroup_wide, (1, K, V, DK, DV, q_desc, do_desc, qt_desc, dot_desc, stats_desc, dqt_desc,
-                                      q_smem, do_smem, qt_smem, dot_smem, stats_smem, k_smem, v_smem, kt_smem,
-                                      vt_smem, ds_smem, dq1_smem, ready, empty, ds_ready, ds_free, off_z, off_h,
-                                      h0 // kv_group, start_cta, lo, n_steps, n_h, HEADS, h0, stats_row0, stride_kz,
-                                      stride_kh,
+                                      q_smem, do_smem, qt_smem, dot_smem, stats_smem, k_smem, v_smem, kt_smem, vt_smem,
+                                      ds_smem, dq1_smem, ready, empty, ds_ready, ds_free, off_z, off_h, h0 // kv_group,
+                                      start_cta, lo, n_steps, n_h, HEADS, h0, stats_row0, stride_kz, stride_kh,
                                       stride_kn, stride_vz, stride_vh, stride_vn, stride_dkz, stride_dkh, stride_dkn,
                                       stride_dvz, stride_dvh, stride_dvn, n_q, n_k, causal_off, qk_scale, sm_scale,
                                       IS_CAUSAL, HEAD_DIM, D_TAIL, BLOCK_M, BLOCK_N, STAGES, PREFETCH)),

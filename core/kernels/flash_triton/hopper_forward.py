@@ -617,11 +617,10 @@ if HAVE_GLUON:
             my_kt = gl.cdiv(my_hi, BLOCK_N)
             if my_kt > 0:
                 it, o, ot, m_i, l_i = _attend(it, row0, my_hi, q_smem.index(qb), qt_smem.index(qb),
-                                              q_empty.index(qb), k_smem, v_smem, kt_smem, vt_smem, k_ready,
-                                              v_ready, k_empty, v_empty, n_k, causal_off, qk_scale, IS_CAUSAL,
-                                              D_MAIN, D_TAIL, BLOCK_N, K_STAGES, STAGES, O_OWN, mma_s, mma_o, mma_t,
-                                              turn,
-                                              n_seen, ROLE, PINGPONG, ONE_LOOP, EXP_POLY)
+                                              q_empty.index(qb), k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready,
+                                              k_empty, v_empty, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL,
+                                              BLOCK_N, K_STAGES, STAGES, O_OWN, mma_s, mma_o, mma_t, turn, n_seen, ROLE,
+                                              PINGPONG, ONE_LOOP, EXP_POLY)
                 n_seen += 1
             else:  # rows past n_q, or causal with n_q > n_k + the rows: no key visible
                 if O_OWN:
