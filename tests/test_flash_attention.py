@@ -1158,6 +1158,10 @@ def test_default_backward_policy(monkeypatch):
     # ws_gqa_max_rows query rows under the mask, half as many without it
     cfg = FlashConfig()
     assert cfg.ws_gqa_max_rows == 32768
+    # both thresholds count causal rows: a row without the mask counts twice, so an odd threshold rounds up
+    assert FlashConfig(ws_min_rows=5).takes_ws(64, 3, False) and not FlashConfig(ws_min_rows=5).takes_ws(64, 2, False)
+    assert FlashConfig(ws_gqa_max_rows=5).ws_gqa_heads(4, 2, False) == 4
+    assert FlashConfig(ws_gqa_max_rows=5).ws_gqa_heads(4, 3, False) == 1
     assert cfg.ws_gqa_heads(4, 16384, True) == 4 and cfg.ws_gqa_heads(4, 32768, True) == 1
     assert cfg.ws_gqa_heads(4, 8192, False) == 4 and cfg.ws_gqa_heads(4, 16384, False) == 1
     assert FlashConfig(ws_gqa_max_rows=0).ws_gqa_heads(4, 512, True) == 1

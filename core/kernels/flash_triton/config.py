@@ -27,6 +27,13 @@ SPLIT_MERGES = ("in_kernel", "separate")
 _KEY = "attention_impl.config"
 
 
+def causal_rows(n_q: int, is_causal: bool) -> int:
+    """n_q query rows counted as rows under a causal mask, the unit of the backward's row thresholds: without the
+    mask a row sees every key, twice a causal row's on average, so a kernel's fixed costs weigh as on causal rows
+    twice as long."""
+    return n_q if is_causal else 2 * n_q
+
+
 @dataclass(frozen=True)
 class FlashConfig:
     """What flash_triton chooses, besides the inputs (see docs/attention.md, "Configuration").
@@ -39,11 +46,12 @@ class FlashConfig:
     fused_max_tiles / fused_max_tiles_wide: "auto" takes the fused backward up to this many batch x heads x 64-row
         tiles, for head dims <= 64 / above 64.
     hopper_ws: the warp-specialised Gluon backward on sm_90 (the atomic-dQ variant's kernel there).
-    ws_min_rows: "auto" takes that kernel from this many query rows on under a causal mask, half as many without
-        it, by head dim ({64: 2048, ...}; a head dim not named: never), or one number for every head dim.
+    ws_min_rows: "auto" takes that kernel from this many causal rows on (`causal_rows`: query rows under a causal
+        mask, a row without it counting twice), by head dim ({64: 2048, ...}; a head dim not named: never), or one
+        number for every head dim.
     ws_gqa_max_rows: with grouped-query attention the Gluon backward runs a program per KV head (walking its
-        query heads, dK and dV summed in the kernel) below this many query rows under a causal mask, half as many
-        without it; from there on, and with 0 always, a program per query head (dK, dV summed afterwards).
+        query heads, dK and dV summed in the kernel) below this many causal rows; from there on, and with 0 always,
+        a program per query head (dK, dV summed afterwards).
     hopper_fwd: the warp-specialised Gluon forward on sm_90 where it applies (`hopper_forward.fwd_applies`), on
         grids the split-KV forward would not split; hopper_fwd_long_rows: from this many query rows on, its
         long-row tiles (three consumers at d = 64, 80, 96; 128-key tiles at 128), below under a causal mask 64-key
@@ -128,21 +136,23 @@ class FlashConfig:
                 return cfg
         return None
 
-    def ws_rows(self, d: int, is_causal: bool = True) -> int | None:
-        """The query rows from which "auto" takes the Gluon backward at head dim d (None: never): `ws_min_rows`'
-        under a causal mask, half as many without it (a row then sees every key, on average twice a causal row's
-        keys, so the kernel's fixed costs weigh as they do on causal rows twice as long)."""
+    def ws_rows(self, d: int) -> int | None:
+        """`ws_min_rows` at head dim d, in causal rows (`causal_rows`); None: "auto" never takes the Gluon backward
+        there."""
         if isinstance(self.ws_min_rows, int):
-            rows = self.ws_min_rows
-        else:
-            rows = next((r for dim, r in self.ws_min_rows if dim == d), None)
-        return rows if rows is None or is_causal else rows // 2
+            return self.ws_min_rows
+        return next((r for dim, r in self.ws_min_rows if dim == d), None)
+
+    def takes_ws(self, d: int, n_q: int, is_causal: bool) -> bool:
+        """Whether "auto" takes the Gluon backward for n_q query rows at head dim d (where it applies):
+        from `ws_rows(d)` causal rows on."""
+        rows = self.ws_rows(d)
+        return rows is not None and causal_rows(n_q, is_causal) >= rows
 
     def ws_gqa_heads(self, group: int, n_q: int, is_causal: bool) -> int:
-        """Query heads a program of the Gluon backward walks: the GQA group below `ws_gqa_max_rows` query rows (half
-        as many without the causal mask), else 1."""
-        rows = n_q if is_causal else 2 * n_q
-        return group if rows < self.ws_gqa_max_rows else 1
+        """Query heads a program of the Gluon backward walks: the GQA group below `ws_gqa_max_rows` causal rows
+        (`causal_rows`), else 1."""
+        return group if causal_rows(n_q, is_causal) < self.ws_gqa_max_rows else 1
 
     def hopper_fwd_rows(self, d: int, is_causal: bool) -> tuple[int, int, int]:
         """The Gluon forward's row thresholds at head dim d: (from how many query rows it runs, below how many its

@@ -257,12 +257,12 @@ def _default_bwd(q4: Tensor, k4: Tensor, do4: Tensor | None, is_causal: bool,
                  cfg: FlashConfig = DEFAULT_CONFIG) -> int:
     """The backward variant for these 4-D operands (do4 None: not known yet, as while torch.compile traces; then
     `flash_bwd_impl` checks dO where the Gluon kernel needs it to): `cfg.backward` unless "auto". "auto": the fused
-    kernel on small grids (`_use_fused`), the warp-specialised Gluon kernel on Hopper from `cfg.ws_rows(d)` query
-    rows on, else two passes. Measured on the H100 (bf16, causal, `do_bench`, one process), the backward's time over
-    cuDNN's, the Gluon kernel against the two-pass one: d = 64, 0.97-0.98 against 0.86-0.89 at 1024 rows, 0.92-0.96
-    against 0.93-1.01 at 2048 (8 to 32 x 16 heads; the two-pass kernel, 7 tile matmuls a pair to 5, loses ground as a
-    longer call holds the card at its power limit), 0.92 against 1.09 at 8192. Calls back to back, the Gluon time
-    over the two-pass time at 512 / 1024 / 2048 / 4096 / 8192 rows: d = 80, 1.15 / 1.03 / 1.01 / 0.96 / 0.91x;
+    kernel on small grids (`_use_fused`), the warp-specialised Gluon kernel on Hopper from `cfg.ws_rows(d)` causal rows
+    on (`cfg.takes_ws`), else two passes. Measured on the H100 (bf16, causal, `do_bench`, one process), the backward's
+    time over cuDNN's, the Gluon kernel against the two-pass one: d = 64, 0.97-0.98 against 0.86-0.89 at 1024 rows,
+    0.92-0.96 against 0.93-1.01 at 2048 (8 to 32 x 16 heads; the two-pass kernel, 7 tile matmuls a pair to 5, loses
+    ground as a longer call holds the card at its power limit), 0.92 against 1.09 at 8192. Calls back to back, the Gluon
+    time over the two-pass time at 512 / 1024 / 2048 / 4096 / 8192 rows: d = 80, 1.15 / 1.03 / 1.01 / 0.96 / 0.91x;
     d = 96, 1.20 / 1.07 / 1.00 / 0.98 / 0.93x; d = 128, 1.11 / 0.95 / 0.88 / 0.84 / 0.79x. On short rows its fixed
     costs weigh more (the delta kernel, the fp32 dQ buffer's zeros and cast, a program's set-up). The Gluon kernel's
     fp32 reductions add in any order: not under torch.use_deterministic_algorithms."""
@@ -271,8 +271,7 @@ def _default_bwd(q4: Tensor, k4: Tensor, do4: Tensor | None, is_causal: bool,
     z, h, n_q, d = q4.shape
     if _use_fused(z * h, n_q, k4.shape[2], d, cfg):
         return BWD_FUSED
-    min_rows = cfg.ws_rows(d, is_causal)
-    if min_rows is not None and n_q >= min_rows and not torch.are_deterministic_algorithms_enabled() \
+    if cfg.takes_ws(d, n_q, is_causal) and not torch.are_deterministic_algorithms_enabled() \
             and _ws_ok(q4, do4, d, cfg):
         return BWD_ATOMIC_DQ
     return BWD_TWO_PASS

@@ -309,7 +309,7 @@ if HAVE_GLUON:
 
     # ------------------------------------------------------------------ the warp-specialised one-pass backward
     @gluon.jit
-    def _ws_steps(ROLE: gl.constexpr, it, lo, start, end, n_steps, n_h, HEADS: gl.constexpr, dk, dv, k_op, v_op, q_desc,
+    def _ws_steps(ROLE: gl.constexpr, it, lo, start, end, n_h, HEADS: gl.constexpr, dk, dv, k_op, v_op, q_desc,
                   do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem, k_smem, ds_smem, dq_smem, ready, empty,
                   ds_ready, ds_free, stats_row, stats_row0, z, h0, offs_n, n_q, causal_off, qk_scale,
                   MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -348,7 +348,7 @@ if HAVE_GLUON:
                 dv = warpgroup_mma_init(warpgroup_mma_wait(1, deps=[dv]))
                 # refill the ring buffer of step nxt - STAGES, once both warpgroups released it
                 nxt = it + PREFETCH
-                if nxt < n_steps:
+                if nxt < HEADS * n_h:
                     nstage = nxt % STAGES
                     mbarrier.wait(empty.index(nstage), ((nxt // STAGES) & 1) ^ 1)
                     _load_step(nxt, lo, n_h, nstage, q_desc, do_desc, q_desc, do_desc, stats_desc, q_smem, do_smem,
@@ -374,7 +374,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _ws_warpgroup(ROLE: gl.constexpr, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem,
                       stats_smem, k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h, off_hk,
-                      start_cta, lo, n_steps, n_h, HEADS: gl.constexpr, h0, stats_row0, stride_kz, stride_kh, stride_kn,
+                      start_cta, lo, n_h, HEADS: gl.constexpr, h0, stats_row0, stride_kz, stride_kh, stride_kn,
                       stride_vz, stride_vh, stride_vn, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh,
                       stride_dvn, n_q, n_k, causal_off, qk_scale, sm_scale, IS_CAUSAL: gl.constexpr,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -402,7 +402,7 @@ if HAVE_GLUON:
         for g in range(HEADS):
             for rng in gl.static_range(3):
                 start, end = _ranges(rng, lo, start_n, n_q, causal_off, IS_CAUSAL, BLOCK_M, BLOCK_N)
-                it, dk, dv = _ws_steps(ROLE, it, lo, start, end, n_steps, n_h, HEADS, dk, dv, k_op, v_op, q_desc,
+                it, dk, dv = _ws_steps(ROLE, it, lo, start, end, n_h, HEADS, dk, dv, k_op, v_op, q_desc,
                                        do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem, k_smem, ds_smem,
                                        dq_smem, ready, empty, ds_ready, ds_free, stats_row0 + g * n_q, stats_row0, z,
                                        h0, offs_n, n_q, causal_off, qk_scale, rng != 1, IS_CAUSAL, BLOCK_M, HEAD_DIM,
@@ -415,7 +415,7 @@ if HAVE_GLUON:
 
     # ------------------------------------------- head dims 80-128: K and V in shared memory, dQ split by columns
     @gluon.jit
-    def _ws_steps_wide(ROLE: gl.constexpr, it, lo, start, end, n_steps, n_h, HEADS: gl.constexpr, dk, dv, dkt, dvt,
+    def _ws_steps_wide(ROLE: gl.constexpr, it, lo, start, end, n_h, HEADS: gl.constexpr, dk, dv, dkt, dvt,
                        q_desc, do_desc, qt_desc, dot_desc, stats_desc, dq_desc, q_smem, do_smem, qt_smem, dot_smem,
                        stats_smem, k_smem, v_smem, kt_smem, vt_smem, ds_smem, dq_buf, ready, empty, ds_ready, ds_free,
                        stats_row, stats_row0, z, h, h0, offs_n, n_q, causal_off, qk_scale, MASKED: gl.constexpr,
@@ -486,7 +486,7 @@ if HAVE_GLUON:
                 # refill the ring buffer of step nxt - STAGES (it - 1 at the default rings): both warpgroups
                 # released it before handing over this step's dS^T, so this does not wait
                 nxt = it + PREFETCH
-                if nxt < n_steps:
+                if nxt < HEADS * n_h:
                     nstage = nxt % STAGES
                     mbarrier.wait(empty.index(nstage), ((nxt // STAGES) & 1) ^ 1)
                     _load_step(nxt, lo, n_h, nstage, q_desc, do_desc, qt_desc, dot_desc, stats_desc, q_smem,
@@ -532,7 +532,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _ws_warpgroup_wide(ROLE: gl.constexpr, K, V, DK, DV, q_desc, do_desc, qt_desc, dot_desc, stats_desc, dq_desc,
                            q_smem, do_smem, qt_smem, dot_smem, stats_smem, k_smem, v_smem, kt_smem, vt_smem, ds_smem,
-                           dq_buf, ready, empty, ds_ready, ds_free, off_z, off_h, off_hk, start_cta, lo, n_steps, n_h,
+                           dq_buf, ready, empty, ds_ready, ds_free, off_z, off_h, off_hk, start_cta, lo, n_h,
                            HEADS: gl.constexpr, h0, stats_row0, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh,
                            stride_vn, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k,
                            causal_off, qk_scale, sm_scale, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -574,7 +574,7 @@ if HAVE_GLUON:
         for g in range(HEADS):
             for rng in gl.static_range(3):
                 start, end = _ranges(rng, lo, start_n, n_q, causal_off, IS_CAUSAL, BLOCK_M, BLOCK_N)
-                it, dk, dv, dkt, dvt = _ws_steps_wide(ROLE, it, lo, start, end, n_steps, n_h, HEADS, dk, dv, dkt, dvt,
+                it, dk, dv, dkt, dvt = _ws_steps_wide(ROLE, it, lo, start, end, n_h, HEADS, dk, dv, dkt, dvt,
                                                       q_desc, do_desc, qt_desc, dot_desc, stats_desc, dq_desc, q_smem,
                                                       do_smem, qt_smem, dot_smem, stats_smem, k_smem, v_smem, kt_smem,
                                                       vt_smem, ds_smem, dq_buf, ready, empty, ds_ready, ds_free,
@@ -668,14 +668,14 @@ if HAVE_GLUON:
                 (_ws_warpgroup_wide, (0, K, V, DK, DV, q_desc, do_desc, qt_desc, dot_desc, stats_desc, dq_desc,
                                       q_smem, do_smem, qt_smem, dot_smem, stats_smem, k_smem, v_smem, kt_smem, vt_smem,
                                       ds_smem, dq0_smem, ready, empty, ds_ready, ds_free, off_z, off_h, h0 // kv_group,
-                                      start_cta, lo, n_steps, n_h, HEADS, h0, stats_row0, stride_kz, stride_kh,
+                                      start_cta, lo, n_h, HEADS, h0, stats_row0, stride_kz, stride_kh,
                                       stride_kn, stride_vz, stride_vh, stride_vn, stride_dkz, stride_dkh, stride_dkn,
                                       stride_dvz, stride_dvh, stride_dvn, n_q, n_k, causal_off, qk_scale, sm_scale,
                                       IS_CAUSAL, HEAD_DIM, D_TAIL, BLOCK_M, BLOCK_N, STAGES, PREFETCH)),
                 (_ws_warpgroup_wide, (1, K, V, DK, DV, q_desc, do_desc, qt_desc, dot_desc, stats_desc, dqt_desc,
                                       q_smem, do_smem, qt_smem, dot_smem, stats_smem, k_smem, v_smem, kt_smem, vt_smem,
                                       ds_smem, dq1_smem, ready, empty, ds_ready, ds_free, off_z, off_h, h0 // kv_group,
-                                      start_cta, lo, n_steps, n_h, HEADS, h0, stats_row0, stride_kz, stride_kh,
+                                      start_cta, lo, n_h, HEADS, h0, stats_row0, stride_kz, stride_kh,
                                       stride_kn, stride_vz, stride_vh, stride_vn, stride_dkz, stride_dkh, stride_dkn,
                                       stride_dvz, stride_dvh, stride_dvn, n_q, n_k, causal_off, qk_scale, sm_scale,
                                       IS_CAUSAL, HEAD_DIM, D_TAIL, BLOCK_M, BLOCK_N, STAGES, PREFETCH)),
@@ -688,14 +688,14 @@ if HAVE_GLUON:
             gl.warp_specialize([
                 (_ws_warpgroup, (0, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem,
                                  k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h,
-                                 h0 // kv_group, start_cta, lo, n_steps, n_h, HEADS, h0, stats_row0, stride_kz,
+                                 h0 // kv_group, start_cta, lo, n_h, HEADS, h0, stats_row0, stride_kz,
                                  stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                                  stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k,
                                  causal_off, qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
                                  PREFETCH)),
                 (_ws_warpgroup, (1, K, V, DK, DV, q_desc, do_desc, stats_desc, dq_desc, q_smem, do_smem, stats_smem,
                                  k_smem, ds_smem, dq_smem, ready, empty, ds_ready, ds_free, off_z, off_h,
-                                 h0 // kv_group, start_cta, lo, n_steps, n_h, HEADS, h0, stats_row0, stride_kz,
+                                 h0 // kv_group, start_cta, lo, n_h, HEADS, h0, stats_row0, stride_kz,
                                  stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                                  stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, n_q, n_k,
                                  causal_off, qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
