@@ -542,6 +542,52 @@ def test_torch_compile_fullgraph(cfg):
 
 
 @needs_triton
+def test_torch_compile_traces_the_backward_without_its_variant_checks(monkeypatch):
+    """The backward variant is picked when the op runs, on the real operands, not while torch.compile traces the
+    Function: the Gluon kernel's checks read the operands' addresses (Tensor.data_ptr), which Dynamo cannot trace,
+    and the Function would leave the graph (a graph break at every attention call of a compiled model). Here the
+    policy reaches those checks (no fused backward, the Gluon threshold at 0), and they read data_ptr as on
+    Hopper; the compile is fullgraph."""
+    seen = []
+
+    def ws_ok(q, do, d, cfg):
+        seen.append(ftc._tma_aligned(q) and ftc._tma_aligned(do))
+        return False  # the CPU runs the Triton kernels (interpreter)
+    monkeypatch.setattr(ftd, "_ws_ok", ws_ok)
+    cfg = FlashConfig(fused_max_tiles=0, ws_min_rows=0)
+    torch.manual_seed(7)
+    q, k, v = make_qkv((1, 2, 24, 16), 24, torch.float32)
+
+    def f(q, k, v):
+        return FlashAttentionTriton.apply(q, k, v, True, cfg)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager" if not CUDA else "inductor")
+    grads = torch.autograd.grad(compiled(q, k, v).square().sum(), (q, k, v))
+    assert seen == [True]  # once, when the backward ran, on real tensors
+    ref = torch.autograd.grad(f(q, k, v).square().sum(), (q, k, v))
+    assert all((g - r).abs().max() < 1e-5 for g, r in zip(grads, ref))
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_compiled_model_with_flash_triton_is_one_graph(tmp_path):
+    """torch.compile makes the model with flash_triton one graph, as with sdpa: no break at its attention calls
+    (the Gluon backward's checks are reached, head dim 64 with the policy's thresholds at 0, and not traced)."""
+    from core.trainer import build
+    from tests.utils import compose_cfg
+    for impl in ("sdpa", "flash_triton"):
+        extra = ["attention_impl.config.fused_max_tiles=0", "attention_impl.config.ws_min_rows=0"] \
+            if impl == "flash_triton" else []
+        run = build(compose_cfg([f"attention_impl={impl}", "model.d_model=256", "model.n_kv_heads=2",
+                                 "model.context_length=256", "logger=none", *extra], tmp_path / impl))
+        model = run.raw_model.to(torch.bfloat16)
+        tokens = torch.randint(0, 256, (2, 256), device=next(model.parameters()).device)
+        explained = torch._dynamo.explain(model)(tokens)
+        assert explained.graph_break_count == 0, (impl, [b.reason[:300] for b in explained.break_reasons])
+        torch._dynamo.reset()
+
+
+@needs_triton
 def test_torch_compile_passes_the_model_do_view_without_a_copy():
     """Compiled, the backward hands the custom op dO as the model makes it, a (B, T, H, d) view, not a contiguous
     copy: Dynamo copies a gradient whose strides an autograd.Function's backward reads while it is traced, so the

@@ -10,7 +10,7 @@ from torch import Tensor
 from core.kernels._flash_common import autocast_dtype, check_inputs
 from core.kernels.flash_triton.common import _as_4d, _to_4d
 from core.kernels.flash_triton.config import DEFAULT_CONFIG, FlashConfig
-from core.kernels.flash_triton.dispatch import _default_bwd, flash_bwd_impl, flash_fwd_impl
+from core.kernels.flash_triton.dispatch import BWD_AUTO, flash_bwd_impl, flash_fwd_impl
 
 
 def _compiling() -> bool:
@@ -65,16 +65,16 @@ class FlashAttentionTriton(torch.autograd.Function):
         if do.dtype != q4.dtype:
             do = do.to(q4.dtype)
         if _compiling():
-            # dO's layout stays unread while torch.compile traces this backward: Dynamo makes a gradient contiguous
-            # before a backward that reads its strides, a copy of dO a layer (the model's dO is a (B, T, H, d)
-            # view). The op checks dO when it runs; the variant is picked without it.
+            # nothing here reads the operands' layouts or addresses while torch.compile traces this backward: Dynamo
+            # makes a gradient contiguous before a backward that reads its strides (a copy of dO a layer: the
+            # model's dO is a (B, T, H, d) view), and cannot trace Tensor.data_ptr (the Gluon kernel's checks), which
+            # would drop the whole Function out of the graph. The op picks the variant when it runs (`BWD_AUTO`).
             do4 = _as_4d(do)
-            dq, dk, dv = torch.ops.scalelab.flash_attn_bwd(do4, q4, k4, v4, o4, lse4, ctx.is_causal,
-                                                           _default_bwd(q4, k4, None, ctx.is_causal, cfg), cfg.key)
+            dq, dk, dv = torch.ops.scalelab.flash_attn_bwd(do4, q4, k4, v4, o4, lse4, ctx.is_causal, BWD_AUTO,
+                                                           cfg.key)
         else:
             do4 = _to_4d(do)
-            dq, dk, dv = flash_bwd_impl(do4, q4, k4, v4, o4, lse4, ctx.is_causal,
-                                        _default_bwd(q4, k4, do4, ctx.is_causal, cfg), cfg)
+            dq, dk, dv = flash_bwd_impl(do4, q4, k4, v4, o4, lse4, ctx.is_causal, BWD_AUTO, cfg)
         if len(qs) != 4:
             dq, dk, dv = dq.reshape(qs), dk.reshape(ks), dv.reshape(vs)
         tq, tk, tv = ctx.in_dtypes

@@ -220,14 +220,20 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
 # 0 and 1 are what the op's former `bool atomic_dq` passed, so old callers keep their meaning).
 BWD_TWO_PASS, BWD_ATOMIC_DQ, BWD_FUSED = 0, 1, 2
 _BWD_NAMES = {"two_pass": BWD_TWO_PASS, "atomic_dq": BWD_ATOMIC_DQ, "fused": BWD_FUSED}
+# -1: the variant `_default_bwd` picks for the operands the call gets, picked when it runs. What torch.compile
+# traces passes this: the choice reads the operands' layouts and addresses (the Gluon kernel's TMA checks), which a
+# traced backward must not (Dynamo cannot trace Tensor.data_ptr: the whole autograd.Function would fall out of the
+# graph, a graph break at every attention call)
+BWD_AUTO = -1
 
 
 def _bwd_code(variant) -> int:
-    """0/1/2, a name from _BWD_NAMES, or a bool (the old atomic_dq flag: True = atomic dQ)."""
-    code = _BWD_NAMES.get(variant, -1) if isinstance(variant, str) else int(variant)
-    if code not in (BWD_TWO_PASS, BWD_ATOMIC_DQ, BWD_FUSED):
+    """0/1/2, a name from _BWD_NAMES, -1 / "auto" (`BWD_AUTO`), or a bool (the old atomic_dq flag: True = atomic
+    dQ)."""
+    code = ({**_BWD_NAMES, "auto": BWD_AUTO}.get(variant) if isinstance(variant, str) else int(variant))
+    if code not in (BWD_AUTO, BWD_TWO_PASS, BWD_ATOMIC_DQ, BWD_FUSED):
         raise ConfigError("flash_triton bwd_variant", f"unknown backward variant {variant!r}",
-                          "use 0 / 'two_pass', 1 / 'atomic_dq' or 2 / 'fused'")
+                          "use 0 / 'two_pass', 1 / 'atomic_dq', 2 / 'fused' or -1 / 'auto'")
     return code
 
 
@@ -244,28 +250,26 @@ def _use_fused(zh: int, n_q: int, n_k: int, d: int, cfg: FlashConfig = DEFAULT_C
     return tiles <= (cfg.fused_max_tiles if d <= 64 else cfg.fused_max_tiles_wide)
 
 
-def _ws_ok(q: Tensor, do: Tensor | None, d: int, cfg: FlashConfig = DEFAULT_CONFIG) -> bool:
-    """Whether the atomic-dQ backward runs the Hopper warp-specialised Gluon kernel (`hopper.ws_applies`; do None:
-    judged without dO)."""
+def _ws_ok(q: Tensor, do: Tensor, d: int, cfg: FlashConfig = DEFAULT_CONFIG) -> bool:
+    """Whether the atomic-dQ backward runs the Hopper warp-specialised Gluon kernel (`hopper.ws_applies`)."""
     if not cfg.hopper_ws or common.INTERPRET:
         return False
     from core.kernels.flash_triton import hopper  # Gluon, imported where it may run
     return hopper.ws_applies(q, do, d)
 
 
-def _default_bwd(q4: Tensor, k4: Tensor, do4: Tensor | None, is_causal: bool,
+def _default_bwd(q4: Tensor, k4: Tensor, do4: Tensor, is_causal: bool,
                  cfg: FlashConfig = DEFAULT_CONFIG) -> int:
-    """The backward variant for these 4-D operands (do4 None: not known yet, as while torch.compile traces; then
-    `flash_bwd_impl` checks dO where the Gluon kernel needs it to): `cfg.backward` unless "auto". "auto": the fused
-    kernel on small grids (`_use_fused`), the warp-specialised Gluon kernel on Hopper from `cfg.ws_rows(d)` causal rows
-    on (`cfg.takes_ws`), else two passes. Measured on the H100 (bf16, causal, `do_bench`, one process), the backward's
-    time over cuDNN's, the Gluon kernel against the two-pass one: d = 64, 0.97-0.98 against 0.86-0.89 at 1024 rows,
-    0.92-0.96 against 0.93-1.01 at 2048 (8 to 32 x 16 heads; the two-pass kernel, 7 tile matmuls a pair to 5, loses
-    ground as a longer call holds the card at its power limit), 0.92 against 1.09 at 8192. Calls back to back, the Gluon
-    time over the two-pass time at 512 / 1024 / 2048 / 4096 / 8192 rows: d = 80, 1.15 / 1.03 / 1.01 / 0.96 / 0.91x;
-    d = 96, 1.20 / 1.07 / 1.00 / 0.98 / 0.93x; d = 128, 1.11 / 0.95 / 0.88 / 0.84 / 0.79x. On short rows its fixed
-    costs weigh more (the delta kernel, the fp32 dQ buffer's zeros and cast, a program's set-up). The Gluon kernel's
-    fp32 reductions add in any order: not under torch.use_deterministic_algorithms."""
+    """The backward variant for these 4-D operands: `cfg.backward` unless "auto". "auto": the fused kernel on small
+    grids (`_use_fused`), the warp-specialised Gluon kernel on Hopper from `cfg.ws_rows(d)` causal rows on
+    (`cfg.takes_ws`), else two passes. Measured on the H100 (bf16, causal, `do_bench`, one process), the backward's time
+    over cuDNN's, the Gluon kernel against the two-pass one: d = 64, 0.97-0.98 against 0.86-0.89 at 1024 rows, 0.92-0.96
+    against 0.93-1.01 at 2048 (8 to 32 x 16 heads; the two-pass kernel, 7 tile matmuls a pair to 5, loses ground as a
+    longer call holds the card at its power limit), 0.92 against 1.09 at 8192. Calls back to back, the Gluon time over
+    the two-pass time at 512 / 1024 / 2048 / 4096 / 8192 rows: d = 80, 1.15 / 1.03 / 1.01 / 0.96 / 0.91x; d = 96,
+    1.20 / 1.07 / 1.00 / 0.98 / 0.93x; d = 128, 1.11 / 0.95 / 0.88 / 0.84 / 0.79x. On short rows its fixed costs
+    weigh more (the delta kernel, the fp32 dQ buffer's zeros and cast, a program's set-up). The Gluon kernel's fp32
+    reductions add in any order: not under torch.use_deterministic_algorithms."""
     if cfg.backward != "auto":
         return _BWD_NAMES[cfg.backward]
     z, h, n_q, d = q4.shape
@@ -293,6 +297,7 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
                    cfg: FlashConfig = DEFAULT_CONFIG) -> tuple[Tensor, Tensor, Tensor]:
     """Backward on 4-D inputs: dq, dk, dv shaped and strided like q, k, v.
 
+    bwd_variant -1 / "auto" (`BWD_AUTO`): the variant `_default_bwd` picks for these operands and `cfg`.
     bwd_variant 0 / "two_pass": two passes (dQ kernel, then dK/dV kernel), 7 tile matmuls, no atomics.
     1 / "atomic_dq" (or True, the old atomic_dq flag): one dK/dV pass that also adds each key tile's
     dS K into an fp32 dQ buffer (5 matmuls; a small kernel computes rowsum(dO * O) first): on Hopper the
@@ -304,6 +309,8 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     variant = _bwd_code(bwd_variant)
     if do.stride(-1) != 1:
         do = do.contiguous()
+    if variant == BWD_AUTO:
+        variant = _default_bwd(q, k, do, is_causal, cfg)
     z, h, n_q, d = q.shape
     n_k = k.shape[2]
     if variant == BWD_FUSED and z * h > launch._MAX_GRID_Y:  # the fused grid's dim 1 is batch x heads
@@ -382,8 +389,8 @@ def _(q, k, v, is_causal, config=""):
     return _dense_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-# bwd_variant: 0 two-pass, 1 atomic dQ, 2 fused (a bool, as the former `atomic_dq` argument, still binds:
-# False -> 0, True -> 1)
+# bwd_variant: 0 two-pass, 1 atomic dQ, 2 fused, -1 picked when the op runs (`BWD_AUTO`); a bool, as the former
+# `atomic_dq` argument, still binds: False -> 0, True -> 1
 @torch.library.custom_op("scalelab::flash_attn_bwd", mutates_args=())
 def flash_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                    is_causal: bool, bwd_variant: int = 0, config: str = "") -> tuple[Tensor, Tensor, Tensor]:
@@ -407,9 +414,7 @@ def _op_setup_context(ctx, inputs, output):
 
 def _op_backward(ctx, do, dlse):
     q, k, v, o, lse = ctx.saved_tensors
-    cfg = FlashConfig.from_key(ctx.config)
-    variant = _default_bwd(q, k, do, ctx.is_causal, cfg)
-    dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, ctx.is_causal, variant, ctx.config)
+    dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, ctx.is_causal, BWD_AUTO, ctx.config)
     return dq, dk, dv, None, None
 
 

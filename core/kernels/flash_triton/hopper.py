@@ -704,15 +704,14 @@ if HAVE_GLUON:
 
 
 # ---------------------------------------------------------------------- host side
-def ws_applies(q: Tensor, do: Tensor | None, d: int) -> bool:
+def ws_applies(q: Tensor, do: Tensor, d: int) -> bool:
     """Whether `_bwd_ws_kernel` can run this backward: compiled CUDA on sm_90 (wgmma is sm_90 only; Blackwell has
     other tensor-core instructions), fp16 / bf16, d in HEAD_DIMS, and for the TMA 16-byte aligned bases and row
-    strides, and an even N_q (each head's (lse2, delta) rows start 16-byte aligned); do None: q's only."""
+    strides, and an even N_q (each head's (lse2, delta) rows start 16-byte aligned)."""
     if common.INTERPRET or q.dtype == torch.float32 or q.device.type != "cuda" or d not in HEAD_DIMS:
         return False
-    operands = (q,) if do is None else (q, do)
     return HAVE_GLUON and launch._capability(q.device) == (9, 0) and q.shape[2] % 2 == 0 \
-        and all(common._tma_aligned(t) and all(s % 8 == 0 for s in t.stride()[:3]) for t in operands)
+        and all(common._tma_aligned(t) and all(s % 8 == 0 for s in t.stride()[:3]) for t in (q, do))
 
 
 @lru_cache(maxsize=None)
