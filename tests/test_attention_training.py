@@ -40,18 +40,28 @@ def test_first_step_gradients_match_sdpa(impl, kv, tmp_path):
         torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
+TRAIN = FAST + SMALL + ["train.max_steps=4", "train.log_every=1", "train.eval_every=0", "optimizer.warmup_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def sdpa_rows(tmp_path_factory) -> list[dict]:
+    """The logged training rows of `python train.py attention_impl=sdpa` (one run for both kernels' tests: they
+    share an xdist group, so one worker runs both)."""
+    run_dir = tmp_path_factory.mktemp("sdpa")
+    run_train(TRAIN + ["attention_impl=sdpa"], run_dir, timeout=600)
+    assert read_summary(run_dir)["attention"] == "sdpa"
+    return [r for r in read_metrics(run_dir) if "loss" in r]
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.slow
-def test_train_py_losses_match_sdpa(impl, tmp_path):
+@pytest.mark.xdist_group("train_py_vs_sdpa")
+def test_train_py_losses_match_sdpa(impl, sdpa_rows, tmp_path):
     """`python train.py attention_impl=...` for 4 steps: the logged losses and gradient norms follow SDPA's."""
-    common = FAST + SMALL + ["train.max_steps=4", "train.log_every=1", "train.eval_every=0",
-                             "optimizer.warmup_steps=1"]
-    rows = {}
-    for name in ("sdpa", impl):
-        run_train(common + [f"attention_impl={name}"], tmp_path / name, timeout=600)
-        rows[name] = [r for r in read_metrics(tmp_path / name) if "loss" in r]
-        assert read_summary(tmp_path / name)["attention"] == name  # the implementation, not its wrapper class
-    assert [r["step"] for r in rows[impl]] == [1, 2, 3, 4]
-    for ref, got in zip(rows["sdpa"], rows[impl]):
+    run_train(TRAIN + [f"attention_impl={impl}"], tmp_path, timeout=600)
+    assert read_summary(tmp_path)["attention"] == impl  # the implementation, not its wrapper class
+    rows = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for ref, got in zip(sdpa_rows, rows, strict=True):
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), (ref["step"], ref["loss"], got["loss"])
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3), ref["step"]
