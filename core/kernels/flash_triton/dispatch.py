@@ -220,17 +220,18 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
 # 0 and 1 are what the op's former `bool atomic_dq` passed, so old callers keep their meaning).
 BWD_TWO_PASS, BWD_ATOMIC_DQ, BWD_FUSED = 0, 1, 2
 _BWD_NAMES = {"two_pass": BWD_TWO_PASS, "atomic_dq": BWD_ATOMIC_DQ, "fused": BWD_FUSED}
-# -1: the variant `_default_bwd` picks for the operands the call gets, picked when it runs. What torch.compile
-# traces passes this: the choice reads the operands' layouts and addresses (the Gluon kernel's TMA checks), which a
-# traced backward must not (Dynamo cannot trace Tensor.data_ptr: the whole autograd.Function would fall out of the
-# graph, a graph break at every attention call)
+# -1: picked when the call runs, by `_default_bwd` for the operands it gets. The backward torch.compile traces passes
+# this: picking reads the operands' layouts and addresses (the Gluon kernel's TMA checks), which a traced backward
+# must not (Dynamo cannot trace Tensor.data_ptr: the whole autograd.Function would fall out of the graph, a graph
+# break at every attention call)
 BWD_AUTO = -1
+_BWD_CODES = {**_BWD_NAMES, "auto": BWD_AUTO}
 
 
 def _bwd_code(variant) -> int:
     """0/1/2, a name from _BWD_NAMES, -1 / "auto" (`BWD_AUTO`), or a bool (the old atomic_dq flag: True = atomic
     dQ)."""
-    code = ({**_BWD_NAMES, "auto": BWD_AUTO}.get(variant) if isinstance(variant, str) else int(variant))
+    code = _BWD_CODES.get(variant) if isinstance(variant, str) else int(variant)
     if code not in (BWD_AUTO, BWD_TWO_PASS, BWD_ATOMIC_DQ, BWD_FUSED):
         raise ConfigError("flash_triton bwd_variant", f"unknown backward variant {variant!r}",
                           "use 0 / 'two_pass', 1 / 'atomic_dq', 2 / 'fused' or -1 / 'auto'")
