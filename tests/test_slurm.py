@@ -16,8 +16,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # the local cluster is one node: jobs of two tests at once queue behind each other and miss their start deadlines,
-# so under pytest-xdist (--dist loadgroup) these tests run on one worker, one after another
-pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
+# so under pytest-xdist (--dist loadgroup) these tests run on one worker, one after another. Together they take
+# minutes: marked slow, they start early (tests/conftest.py), not as the suite's tail on one worker
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm"), pytest.mark.slow]
 
 
 def _cluster_reason() -> str | None:
