@@ -1449,7 +1449,8 @@ _GLUON_FWD_COMPILE = """
 import torch
 from triton.runtime.jit import mangle_type
 from core.kernels.flash_triton import common, hopper, hopper_forward as hf
-turns = peeled = 0
+turns = 0
+firsts = []
 for d in hf.HEAD_DIMS:
     d_main, d_tail = common._TILE_D[d]
     for causal, tiles in ((True, hf.FWD_TILES), (False, hf.FWD_TILES), (True, hf.SHORT_TILES),
@@ -1485,14 +1486,18 @@ for d in hf.HEAD_DIMS:
         if constexprs["PINGPONG"]:
             turns += 1
         # a consumer's copies of S = Q K^T (d / 16 wgmmas) and O += P V (BLOCK_N / 16 a head-dim part): with the
-        # first key tile in the loop, one S and two PVs (the loop's, the last tile's), else three of each (the
-        # peeled first tile, the loops over full and over masked tiles, the last PV)
-        s_copies, pv_copies = (1, 2) if constexprs["ONE_LOOP"] else (3, 3)
+        # first key tile in the loop, one S and two PVs (the loop's, the last tile's); peeled off, two S (the peeled
+        # tile's, the loop's) and two PVs; peeled, with loops over full and over masked tiles, three of each
+        s_copies, pv_copies = {hf.IN_LOOP: (1, 2), hf.PEEL_ONE_LOOP: (2, 2), hf.PEEL_TWO_LOOPS: (3, 3)}[
+            constexprs["PEEL"]]
         per_consumer = s_copies * d // 16 + pv_copies * (block_n // 16) * (2 if d_tail else 1)
         assert ptx.count("wgmma.mma_async") == consumers * per_consumer, (d, causal, tiles[d])
-        peeled += not constexprs["ONE_LOOP"]
+        firsts.append(constexprs["PEEL"])
 assert turns == 6, turns  # the 128-key tiles at d = 80, 96 and 128, causal and not
-assert peeled == 4, peeled  # three consumers over 64-key tiles: d = 80 and 96, causal and not
+# in the loop: d = 64's 128-key tiles (two and three consumers, causal and not: 4) and the 128-key tiles under the
+# mask at d = 80-128 (3); peeled, one loop: the 64-key short-row tiles (4 head dims) and the 128-key tiles without the
+# mask at d = 80-128 (3); peeled, two loops: three consumers over 64-key tiles (d = 80 and 96, causal and not)
+assert [firsts.count(f) for f in (hf.IN_LOOP, hf.PEEL_ONE_LOOP, hf.PEEL_TWO_LOOPS)] == [7, 7, 4], firsts
 print("compiled")
 """
 
@@ -1684,7 +1689,7 @@ def test_gpu_gluon_fwd_split_rings_match(tiles, d, n_q, n_k, causal):
     split = (*tiles, tiles[1] - 1)
     assert hf.fwd_constexprs(d, causal, split)["K_STAGES"] == tiles[1] - 1
     outs = _gluon_fwd_variants(d, n_q, n_k, causal, 19, tiles, [dict(), dict(tiles=split),
-                                                                dict(tiles=split, first_in_loop=False)])
+                                                                dict(tiles=split, first=hf.PEEL_TWO_LOOPS)])
     for out, lse in outs[1:]:
         assert torch.equal(outs[0][0], out) and torch.equal(outs[0][1], lse)
 
@@ -1695,14 +1700,15 @@ def test_gpu_gluon_fwd_split_rings_match(tiles, d, n_q, n_k, causal):
                                      ("WIDE_TILES", 64), ("WIDE_TILES", 80)])
 @pytest.mark.parametrize("n_q,n_k,causal", [(600, 600, True), (334, 200, True), (700, 515, False)])
 def test_gpu_gluon_fwd_first_tile_in_loop_matches_peel(tiles, d, n_q, n_k, causal):
-    """A query tile's first key tile run in the loop (its PV adds P = 0 times its V tile: exactly zero) and peeled
-    off the loop compute the same sums in the same order: output and logsumexp bit for bit the same, on two and
-    three consumers, 64- and 128-key tiles, the turns, a head-dim tail, rows that see no key and ragged ends; and
-    against float64."""
+    """A query tile's first key tile run in the loop (its PV adds P = 0 times its V tile: exactly zero), peeled off
+    the loop with the others in one loop, and peeled with loops over full and masked tiles (`peel`) compute the same
+    sums in the same order: output and logsumexp bit for bit the same, on two and three consumers, 64- and 128-key
+    tiles, the turns, a head-dim tail, rows that see no key and ragged ends; and against float64."""
     from core.kernels.flash_triton import hopper_forward as hf
     outs = _gluon_fwd_variants(d, n_q, n_k, causal, 18, getattr(hf, tiles)[d],
-                               [dict(first_in_loop=True), dict(first_in_loop=False)])
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+                               [dict(first=f) for f in (hf.IN_LOOP, hf.PEEL_ONE_LOOP, hf.PEEL_TWO_LOOPS)])
+    for out, lse in outs[1:]:
+        assert torch.equal(outs[0][0], out) and torch.equal(outs[0][1], lse)
 
 
 @gpu

@@ -23,8 +23,8 @@ each, in three or four partitions (`gl.warp_specialize`):
   V_{j-1} (P in registers as the wgmma A operand), waits for S_j only, computes the softmax of S_j while the PV matmul
   runs (at d = 64 with two consumers over 128-key tiles an eighth of its exponentials by polynomial on the FMA units,
   `exp2_poly`), then waits for it, releases slot j-1 and rescales O: at most two wgmma groups in flight. A query tile's
-  first key tile runs in that loop too, its PV a no-op (P = 0), where that pays (`one_loop`: one copy of the step's code
-  fewer, which the instruction cache holds better), else it is peeled off the loop. The consumers run unsynchronised, so
+  first key tile is peeled off that loop, or runs in it with a no-op PV (P = 0), by tile set and mask (`peel`). The
+  consumers run unsynchronised, so
   one's softmax also overlaps the others' matmuls; with two consumers and 128-key tiles at d = 80-128 (`pingpong`) they
   issue their matmul groups in turns (FlashAttention-3's ping-pong: an mbarrier a consumer, handed over once its group
   is issued), which keeps one's softmax under the other's matmuls rather than leaving it to chance. A tile's O / l goes
@@ -417,14 +417,14 @@ if HAVE_GLUON:
                MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr,
                K_STAGES: gl.constexpr, STAGES: gl.constexpr, mma_s: gl.constexpr, mma_o: gl.constexpr,
                mma_t: gl.constexpr, turn, g0, ROLE: gl.constexpr,
-               PINGPONG: gl.constexpr, ONE_LOOP: gl.constexpr, EXP_POLY: gl.constexpr):
+               PINGPONG: gl.constexpr, PEEL: gl.constexpr, EXP_POLY: gl.constexpr):
         """Key tiles [start, end) (the program's key tile `it` first): issue S_j, issue O += P_{j-1} V_{j-1}, wait
         for S_j and release K_j's slot, softmax of S_j under the PV matmul, wait for it, release V_{j-1}'s slot,
         rescale O. Returns P_j for the next.
         With PINGPONG the two matmuls are issued in turns with the other consumer (this one's group g0 + it).
-        With ONE_LOOP the loop runs a query tile's every key tile: the first one's PV multiplies its own V tile by
-        P = 0 (p_op comes in as zeros; a no-op, which keeps one copy of the step's code), and the softmax is masked
-        from key mask_from on; else every step's softmax is MASKED or not."""
+        PEEL (`peel`): 0, the loop runs a query tile's every key tile, the first one's PV multiplying its own V tile
+        by P = 0 (p_op comes in as zeros; a no-op, which keeps one copy of the step's code); 0 or 1, the softmax is
+        masked from key mask_from on (the mask behind a branch); 2, every step's softmax is MASKED or not."""
         dtype: gl.constexpr = q_tile.dtype
         # wgmma groups the PV matmuls leave in flight while S_j is awaited: one per head-dim part
         PV_GROUPS: gl.constexpr = 2 if D_TAIL > 0 else 1
@@ -432,7 +432,7 @@ if HAVE_GLUON:
         for start_n in range(start, end, BLOCK_N):
             stage = it % K_STAGES
             pv_it = it - 1  # the key tile whose PV this step issues
-            if ONE_LOOP:
+            if PEEL == 0:
                 pv_it += (start_n == 0).to(gl.int32)
             prev = pv_it % STAGES
             mbarrier.wait(k_ready.index(stage), (it // K_STAGES) & 1)
@@ -446,7 +446,7 @@ if HAVE_GLUON:
             _hand_over(turn, ROLE, PINGPONG)
             s = warpgroup_mma_wait(PV_GROUPS, deps=[s])
             _release_k(k_empty, stage, K_STAGES, STAGES)
-            if ONE_LOOP:
+            if PEEL < 2:
                 # only the mask is branched on: one copy of the softmax's code, not a masked and a full one, which
                 # the instruction cache holds better
                 if start_n >= mask_from:
@@ -458,7 +458,7 @@ if HAVE_GLUON:
                 p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, MASKED, EXP_POLY)
             o, ot, p_op = _pv_wait(o, ot, p_op, D_TAIL)
             # (a first step's V slot is released after the tile's next PV has read it)
-            mbarrier.arrive(v_empty.index(prev), count=1, pred=(start_n > 0) | (not ONE_LOOP))
+            mbarrier.arrive(v_empty.index(prev), count=1, pred=(start_n > 0) | (PEEL > 0))
             o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, mma_o)), 1)
             if D_TAIL > 0:
                 ot = ot * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, mma_t)), 1)
@@ -472,14 +472,15 @@ if HAVE_GLUON:
                 D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, STAGES: gl.constexpr,
                 O_OWN: gl.constexpr, mma_s: gl.constexpr,
                 mma_o: gl.constexpr, mma_t: gl.constexpr, turn, g0, ROLE: gl.constexpr, PINGPONG: gl.constexpr,
-                ONE_LOOP: gl.constexpr, EXP_POLY: gl.constexpr):
+                PEEL: gl.constexpr, EXP_POLY: gl.constexpr):
         """Online softmax of the 64 rows from row0 over keys [0, hi) (at least one key tile), from ring slot `it`,
         with O_OWN releasing the Q block (q_empty) once the last S = Q K^T is done: (it after the last tile, O
         unnormalised (main part, tail), m, l). With PINGPONG each group of matmuls is issued in turn with the
-        other consumer: a tile of n key tiles makes n + 1 groups (S_0 (with ONE_LOOP a no-op PV); S_j with
+        other consumer: a tile of n key tiles makes n + 1 groups (S_0 (with PEEL 0 a no-op PV); S_j with
         P_{j-1} V_{j-1}; the last PV), the first of them this consumer's group g0 + it. Key tile 0 has no PV to
-        overlap: with ONE_LOOP it runs in the loop all the same (`_steps`), else it is peeled off the loop and
-        the full and the masked key tiles run in a loop each: three copies of the softmax's code instead of two."""
+        overlap (`peel`): with PEEL 0 it runs in the loop all the same (`_steps`), else it is peeled off the loop,
+        and the other key tiles run in one loop (PEEL 1: two copies of the softmax's code) or the full and the masked
+        ones in a loop each (PEEL 2: three copies)."""
         dtype: gl.constexpr = q_tile.dtype
         offs_m = row0 + gl.arange(0, _HALF_M, layout=gl.SliceLayout(1, mma_s))
         offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
@@ -492,13 +493,13 @@ if HAVE_GLUON:
             full_hi = gl.minimum((gl.maximum(row0 + causal_off + 1, 0) // BLOCK_N) * BLOCK_N, n_full)
         else:
             full_hi = n_full
-        if ONE_LOOP:
+        if PEEL == 0:
             p_op = gl.zeros([_HALF_M, BLOCK_N], dtype, layout=gl.DotOperandLayout(0, mma_o, 2))
             it, o, ot, m_i, l_i, p_op = _steps(it, 0, hi, full_hi, q_tile, qt_tile, k_smem, v_smem, kt_smem,
                                                vt_smem, k_ready, v_ready, k_empty, v_empty, o, ot, m_i, l_i, p_op,
                                                offs_m, offs_n0, n_k, causal_off, qk_scale, False, IS_CAUSAL, D_TAIL,
                                                BLOCK_N, K_STAGES, STAGES, mma_s, mma_o, mma_t, turn, g0, ROLE, PINGPONG,
-                                               ONE_LOOP,
+                                               PEEL,
                                                EXP_POLY)
         else:
             # key tile 0, peeled off the loop (no PV matmul to overlap yet), masked
@@ -514,18 +515,23 @@ if HAVE_GLUON:
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, True, EXP_POLY)
             p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(0, mma_o, 2))
             it += 1
-            it, o, ot, m_i, l_i, p_op = _steps(it, BLOCK_N, full_hi, 0, q_tile, qt_tile, k_smem, v_smem, kt_smem,
-                                               vt_smem, k_ready, v_ready, k_empty, v_empty, o, ot, m_i, l_i, p_op,
-                                               offs_m, offs_n0, n_k, causal_off, qk_scale, False, IS_CAUSAL, D_TAIL,
-                                               BLOCK_N, K_STAGES, STAGES, mma_s, mma_o, mma_t, turn, g0, ROLE, PINGPONG,
-                                               ONE_LOOP,
-                                               EXP_POLY)
-            it, o, ot, m_i, l_i, p_op = _steps(it, gl.maximum(full_hi, BLOCK_N), hi, 0, q_tile, qt_tile, k_smem,
-                                               v_smem, kt_smem, vt_smem, k_ready, v_ready, k_empty, v_empty, o, ot,
-                                               m_i, l_i, p_op, offs_m, offs_n0, n_k, causal_off, qk_scale, True,
-                                               IS_CAUSAL, D_TAIL, BLOCK_N, K_STAGES, STAGES, mma_s, mma_o, mma_t, turn,
-                                               g0, ROLE, PINGPONG,
-                                               ONE_LOOP, EXP_POLY)
+            if PEEL == 1:  # the other key tiles in one loop, the mask behind its branch
+                it, o, ot, m_i, l_i, p_op = _steps(it, BLOCK_N, hi, full_hi, q_tile, qt_tile, k_smem, v_smem,
+                                                   kt_smem, vt_smem, k_ready, v_ready, k_empty, v_empty, o, ot, m_i,
+                                                   l_i, p_op, offs_m, offs_n0, n_k, causal_off, qk_scale, False,
+                                                   IS_CAUSAL, D_TAIL, BLOCK_N, K_STAGES, STAGES, mma_s, mma_o, mma_t,
+                                                   turn, g0, ROLE, PINGPONG, PEEL, EXP_POLY)
+            else:  # a loop over the full key tiles, one over the masked ones
+                it, o, ot, m_i, l_i, p_op = _steps(it, BLOCK_N, full_hi, 0, q_tile, qt_tile, k_smem, v_smem,
+                                                   kt_smem, vt_smem, k_ready, v_ready, k_empty, v_empty, o, ot, m_i,
+                                                   l_i, p_op, offs_m, offs_n0, n_k, causal_off, qk_scale, False,
+                                                   IS_CAUSAL, D_TAIL, BLOCK_N, K_STAGES, STAGES, mma_s, mma_o, mma_t,
+                                                   turn, g0, ROLE, PINGPONG, PEEL, EXP_POLY)
+                it, o, ot, m_i, l_i, p_op = _steps(it, gl.maximum(full_hi, BLOCK_N), hi, 0, q_tile, qt_tile, k_smem,
+                                                   v_smem, kt_smem, vt_smem, k_ready, v_ready, k_empty, v_empty, o,
+                                                   ot, m_i, l_i, p_op, offs_m, offs_n0, n_k, causal_off, qk_scale,
+                                                   True, IS_CAUSAL, D_TAIL, BLOCK_N, K_STAGES, STAGES, mma_s, mma_o,
+                                                   mma_t, turn, g0, ROLE, PINGPONG, PEEL, EXP_POLY)
         if O_OWN:  # the producer may load the next tile's Q while the last PV runs
             mbarrier.arrive(q_empty, count=1)
         # the last key tile's PV
@@ -572,7 +578,7 @@ if HAVE_GLUON:
                   ot_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, info, n_q, n_k, causal_off,
                   qk_scale, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr,
                   BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-                  O_OWN: gl.constexpr, NUM_CONS: gl.constexpr, PINGPONG: gl.constexpr, ONE_LOOP: gl.constexpr,
+                  O_OWN: gl.constexpr, NUM_CONS: gl.constexpr, PINGPONG: gl.constexpr, PEEL: gl.constexpr,
                   SWAP: gl.constexpr, EXP_POLY: gl.constexpr):
         """Rows ROLE * 64 ... of each of the program's query tiles: attention over the tile's key tiles, then O
         (by TMA, from this warpgroup's O buffer with O_OWN, else from the tile's Q buffer) and the LSE stored."""
@@ -620,7 +626,7 @@ if HAVE_GLUON:
                                               q_empty.index(qb), k_smem, v_smem, kt_smem, vt_smem, k_ready, v_ready,
                                               k_empty, v_empty, n_k, causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL,
                                               BLOCK_N, K_STAGES, STAGES, O_OWN, mma_s, mma_o, mma_t, turn, n_seen, ROLE,
-                                              PINGPONG, ONE_LOOP, EXP_POLY)
+                                              PINGPONG, PEEL, EXP_POLY)
                 n_seen += 1
             else:  # rows past n_q, or causal with n_q > n_k + the rows: no key visible
                 if O_OWN:
@@ -666,7 +672,7 @@ if HAVE_GLUON:
                        K_STAGES: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, O_OWN: gl.constexpr,
-                       NUM_CONS: gl.constexpr, PINGPONG: gl.constexpr, ONE_LOOP: gl.constexpr, SWAP: gl.constexpr,
+                       NUM_CONS: gl.constexpr, PINGPONG: gl.constexpr, PEEL: gl.constexpr, SWAP: gl.constexpr,
                        EXP_POLY: gl.constexpr):
         gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
         gl.static_assert(NUM_CONS == 2 or not PINGPONG, "ping-pong turns are between two consumers")
@@ -737,15 +743,15 @@ if HAVE_GLUON:
                 (_consumer, (0, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
                              q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, info, n_q, n_k,
                              causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, K_STAGES, STAGES, Q_BUFS, O_OWN,
-                             NUM_CONS, PINGPONG, ONE_LOOP, SWAP, EXP_POLY)),
+                             NUM_CONS, PINGPONG, PEEL, SWAP, EXP_POLY)),
                 (_consumer, (1, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
                              q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, info, n_q, n_k,
                              causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, K_STAGES, STAGES, Q_BUFS, O_OWN,
-                             NUM_CONS, PINGPONG, ONE_LOOP, SWAP, EXP_POLY)),
+                             NUM_CONS, PINGPONG, PEEL, SWAP, EXP_POLY)),
                 (_consumer, (2, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
                              q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, info, n_q, n_k,
                              causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, K_STAGES, STAGES, Q_BUFS, O_OWN,
-                             NUM_CONS, PINGPONG, ONE_LOOP, SWAP, EXP_POLY)),
+                             NUM_CONS, PINGPONG, PEEL, SWAP, EXP_POLY)),
                 (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
                              q_empty, k_ready, v_ready, k_empty, v_empty, info, n_units, n_pairs, n_tiles, n_zh,
                              n_heads, kv_group, n_k, causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, K_STAGES, STAGES,
@@ -756,11 +762,11 @@ if HAVE_GLUON:
                 (_consumer, (0, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
                              q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, info, n_q, n_k,
                              causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, K_STAGES, STAGES, Q_BUFS, O_OWN,
-                             NUM_CONS, PINGPONG, ONE_LOOP, SWAP, EXP_POLY)),
+                             NUM_CONS, PINGPONG, PEEL, SWAP, EXP_POLY)),
                 (_consumer, (1, O, O_T, LSE, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, o_smem, ot_smem,
                              q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, info, n_q, n_k,
                              causal_off, qk_scale, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, K_STAGES, STAGES, Q_BUFS, O_OWN,
-                             NUM_CONS, PINGPONG, ONE_LOOP, SWAP, EXP_POLY)),
+                             NUM_CONS, PINGPONG, PEEL, SWAP, EXP_POLY)),
                 (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
                              q_empty, k_ready, v_ready, k_empty, v_empty, info, n_units, n_pairs, n_tiles, n_zh,
                              n_heads, kv_group, n_k, causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, K_STAGES, STAGES,
@@ -835,25 +841,39 @@ def exp2_poly(d: int, block_n: int, consumers: int) -> bool:
     return d == 64 and block_n == 128 and consumers == 2
 
 
-def one_loop(block_n: int, consumers: int) -> bool:
-    """Whether the consumers run a query tile's first key tile in the loop with the others (`_attend`'s ONE_LOOP),
-    not peeled off it. A consumer's code then holds one copy of a step's softmax, only the mask behind the loop's
-    branch (`_steps`), not three (the peeled tile, the full and the masked tiles): about 40% fewer instructions,
-    which the instruction cache holds better (with the peel, ncu counted 12-19% of the warps' stall samples waiting
-    for instructions; 4% with a loop of two copies at (128, 16, 512, 128)). Against the peel, measured with two
-    copies in the loop, a masked and a full one (H100, one process; one copy took 0.94-0.99x two's time): 0.89-0.94x
-    the time at S = 512 (64-key tiles, d = 64 to 128), 0.95x / 0.78x at 2048 rows with d = 64's two / three
-    consumers, 0.93x at 8192, 0.97-0.98x with d = 128's 128-key tiles. Not for three consumers over 64-key tiles
-    (d = 80 and 96 from `hopper_fwd_long_rows` rows), which took 1.05-1.07x their time."""
-    return not (consumers == 3 and block_n == 64)
+# how a consumer runs a query tile's first key tile, which has no PV matmul before it (`peel`)
+IN_LOOP, PEEL_ONE_LOOP, PEEL_TWO_LOOPS = 0, 1, 2
+
+
+def peel(d: int, block_n: int, consumers: int, is_causal: bool) -> int:
+    """How the consumers run a query tile's first key tile (`_attend`'s PEEL):
+    - IN_LOOP: in the loop with the others, its PV P = 0 times its own V tile (a no-op matmul), the mask behind the
+      loop's branch: one copy of a step's code;
+    - PEEL_ONE_LOOP: peeled off the loop (S_0 and its softmax alone), the other key tiles in one loop, the mask
+      behind its branch: two copies;
+    - PEEL_TWO_LOOPS: peeled off, then a loop over the full key tiles and one over the masked ones: three copies.
+    Fewer copies are fewer instructions for the instruction cache (with three, ncu counted 12-19% of the warps'
+    stall samples waiting for instructions at (128, 16, 512, 128)); the peel saves the no-op matmul, one of a tile's
+    n + 1 PV matmuls. Measured (H100, one process, the kernel alone), PEEL_ONE_LOOP's time over IN_LOOP's: two
+    consumers over 64-key tiles (short rows under a causal mask) 0.93-0.99x at 512-1024 rows, d = 64 to 128;
+    128-key tiles without the mask at d = 80-128, 0.96-0.99x at 512-4096 rows (d = 128), 0.95-0.99x (d = 96),
+    0.97-1.01x (d = 80), level at 8192; but under the mask at d = 128 1.00-1.06x, and at d = 64 (two or three
+    consumers, bound by the exponentials) 1.03-1.08x, so those keep IN_LOOP. Three consumers over 64-key tiles
+    (d = 80 and 96 from `hopper_fwd_long_rows` rows) keep PEEL_TWO_LOOPS: IN_LOOP took 1.05-1.07x its time,
+    PEEL_ONE_LOOP 1.01-1.06x."""
+    if consumers == 3 and block_n == 64:
+        return PEEL_TWO_LOOPS
+    if block_n == 64 or (d > 64 and not is_causal):
+        return PEEL_ONE_LOOP
+    return IN_LOOP
 
 
 def fwd_constexprs(d: int, is_causal: bool, tiles: tuple[int, ...], turns: bool | None = None,
-                   first_in_loop: bool | None = None, swap: bool | None = None, warps: int | None = None,
+                   first: int | None = None, swap: bool | None = None, warps: int | None = None,
                    exp_poly: bool | None = None) -> dict:
     """`_fwd_ws_kernel`'s compile-time parameters for head dim d and tiles (BLOCK_N, STAGES, Q_BUFS, consumers[,
     K_STAGES]; the K ring as deep as the V ring's STAGES unless named):
-    the policies' choices (`pingpong`, `one_loop`, `swap_halves`, `producer_warps`, `exp2_poly`) where an argument
+    the policies' choices (`pingpong`, `peel`, `swap_halves`, `producer_warps`, `exp2_poly`) where an argument
     does not override them (`launch_fwd`)."""
     d_main, d_tail = common._TILE_D[d]
     block_n, stages, q_bufs, consumers = tiles[:4]
@@ -863,7 +883,7 @@ def fwd_constexprs(d: int, is_causal: bool, tiles: tuple[int, ...], turns: bool 
         IS_CAUSAL=is_causal, D_MAIN=d_main, D_TAIL=d_tail, BLOCK_N=block_n, K_STAGES=k_stages, STAGES=stages,
         Q_BUFS=q_bufs, O_OWN=_o_own(d, block_n, stages, q_bufs, consumers, k_stages), NUM_CONS=consumers,
         PINGPONG=turns_on,
-        ONE_LOOP=one_loop(block_n, consumers) if first_in_loop is None else first_in_loop,
+        PEEL=peel(d, block_n, consumers, is_causal) if first is None else first,
         SWAP=swap_halves(is_causal, block_n, consumers, turns_on) if swap is None else swap,
         CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
         PRODUCER_WARPS=producer_warps(block_n) if warps is None else warps,
@@ -896,16 +916,16 @@ class FwdReplay:
 
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, sm_scale: float,
                tiles: tuple[int, ...] | None = None, turns: bool | None = None,
-               first_in_loop: bool | None = None, swap: bool | None = None, warps: int | None = None,
+               first: int | None = None, swap: bool | None = None, warps: int | None = None,
                exp_poly: bool | None = None, replay: bool = False) -> FwdReplay | None:
     """O (preallocated like q, or at any strides a TMA descriptor takes: unit last, 16-byte aligned base and
     others) and lse ((Z, H, N_q) fp32, contiguous) of attention on 4-D (Z, H, N, d) q, k, v (k, v: H / kv_group
     heads), where `fwd_applies`; tiles: (BLOCK_N, STAGES, Q_BUFS, consumers), `FWD_TILES`' by default; turns:
-    ping-pong between two consumers, by default where `pingpong`; first_in_loop: a query tile's first key tile in
-    the loop, by default where `one_loop`; swap: two consumers on alternate halves, by default where
-    `swap_halves`; warps: the producer's, by default `producer_warps`; exp_poly: an eighth of the exponentials by
-    polynomial, by default where `exp2_poly`. With `replay`, the launch as a `FwdReplay` where it was a direct one
-    (`launch.Replay`), else None."""
+    ping-pong between two consumers, by default where `pingpong`; first: how a query tile's first key tile runs
+    (IN_LOOP, PEEL_ONE_LOOP or PEEL_TWO_LOOPS), by default `peel`'s; swap: two consumers on alternate halves, by
+    default where `swap_halves`; warps: the producer's, by default `producer_warps`; exp_poly: an eighth of the
+    exponentials by polynomial, by default where `exp2_poly`. With `replay`, the launch as a `FwdReplay` where it was
+    a direct one (`launch.Replay`), else None."""
     z, h, n_q, d = q.shape
     n_k = k.shape[2]
     d_main, d_tail = common._TILE_D[d]
@@ -923,6 +943,6 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causa
     n_units = _cdiv(z * h * _cdiv(n_q, consumers * HALF_M), 2)  # the kernel's work units (`_tile`): half the tiles
     direct = launch._run(_fwd_ws_kernel, (min(2 * n_units, launch._sm_count(q.device)),),
                          (*descs, *tails, lse, h, h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E, z * h), 9,
-                         replay, **fwd_constexprs(d, is_causal, tiles, turns, first_in_loop, swap, warps, exp_poly),
+                         replay, **fwd_constexprs(d, is_causal, tiles, turns, first, swap, warps, exp_poly),
                          num_warps=4)
     return None if direct is None else FwdReplay(descs, tails if d_tail else None, d_main, direct)
