@@ -47,6 +47,7 @@ import argparse
 import datetime
 import math
 import os
+import statistics
 import sys
 import time
 from typing import NamedTuple
@@ -225,7 +226,9 @@ def _bench(fn, warmup: float, rep: float, min_calls: int) -> float:
     return do_bench(fn, warmup=warmup, rep=max(rep, min_calls * _one_call_ms(fn)), return_mode="median")
 
 
-def _measure(fn_causal, res: dict, shape: Shape, warmup, rep, graph: bool = False, min_calls: int = 1) -> None:
+def _prepare(fn_causal, res: dict, shape: Shape, graph: bool = False) -> dict:
+    """An implementation's inputs for a row, compiled / autotuned by a first fwd+bwd, its peak extra memory of one
+    fwd+bwd (MiB) in res; returns the calls each mode times (`MODES`, and with graph the CUDA-graph replays')."""
     q, k, v, do = make_inputs(shape)
 
     def fn(q, k, v):
@@ -244,39 +247,64 @@ def _measure(fn_causal, res: dict, shape: Shape, warmup, rep, graph: bool = Fals
     torch.cuda.synchronize()
     res["mem_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
     clear_grads()
-    with torch.no_grad():
-        res["fwd"] = _bench(lambda: fn(q, k, v), warmup, rep, min_calls)
     out = fn(q, k, v)
-    res["bwd"] = _bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), warmup, rep, min_calls)
-    res["fwd_bwd"] = _bench(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), warmup, rep, min_calls)
+
+    def fwd():
+        with torch.no_grad():
+            fn(q, k, v)
+    calls = {"fwd": fwd, "bwd": lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
+             "fwd_bwd": lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do)}
     if graph:
-        del out
-        try:
-            def fwd():
-                with torch.no_grad():
-                    fn(q, k, v)
-            res["fwd_graph"] = graph_ms(fwd, warmup, rep)
-            res["fwd_bwd_graph"] = graph_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), warmup, rep)
-        except RuntimeError as e:  # an implementation that cannot be captured: its graph cells stay empty
-            print(f"  (no CUDA graph: {str(e).splitlines()[0][:80]})", flush=True)
+        calls["fwd_graph"] = fwd
+        calls["fwd_bwd_graph"] = calls["fwd_bwd"]
+    return calls
 
 
-def bench_one(impl: str, fn, shape: Shape, warmup, rep, graph: bool = False, min_calls: int = 1) -> dict:
-    """Times (ms) for fwd, bwd, fwd_bwd (and with graph, fwd_graph and fwd_bwd_graph: CUDA-graph replays)
-    and the peak extra memory (MiB) of one fwd+bwd."""
-    res: dict = {}
+def _failure(e: Exception) -> dict:
+    """A cell's result for an exception: out of memory, or an error (e.g. a backend that refuses the shape)."""
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return {"oom": True}
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return {"oom": True} if "out of memory" in msg.lower() else {"error": msg[:80]}
+
+
+_FAILURES = (torch.cuda.OutOfMemoryError, RuntimeError, NotImplementedError, ValueError)
+
+
+def bench_round(impls: list[str], fns: dict, shape: Shape, warmup, rep, graph: bool = False,
+                min_calls: int = 1) -> dict[str, dict]:
+    """One round of a row: every implementation's inputs prepared (`_prepare`), then each mode timed for every
+    implementation in turn (impls' order), so the times a ratio compares are taken next to each other, the card in
+    the same state (timing one implementation's modes, then the next's, let the other's backward heat the card before
+    its forward was timed). Returns per implementation the times (ms) for fwd, bwd, fwd_bwd (and with graph,
+    fwd_graph and fwd_bwd_graph: CUDA-graph replays) and the peak extra memory (MiB) of one fwd+bwd."""
+    res: dict[str, dict] = {impl: {} for impl in impls}
+    calls = {}
     try:
-        _measure(fn, res, shape, warmup, rep, graph, min_calls)
-    except torch.cuda.OutOfMemoryError:
-        res["oom"] = True
-    except (RuntimeError, NotImplementedError, ValueError) as e:  # e.g. a backend that refuses the shape
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if "out of memory" in msg.lower():
-            res["oom"] = True
-        else:
-            res["error"] = msg[:80]
+        for impl in impls:
+            try:
+                calls[impl] = _prepare(fns[impl], res[impl], shape, graph)
+            except _FAILURES as e:
+                res[impl] = _failure(e)
+        for mode in (*MODES, *(("fwd_graph", "fwd_bwd_graph") if graph else ())):
+            for impl in calls:
+                if "oom" in res[impl] or "error" in res[impl]:
+                    continue
+                try:
+                    if mode.endswith("_graph"):
+                        res[impl][mode] = graph_ms(calls[impl][mode], warmup, rep)
+                    else:
+                        res[impl][mode] = _bench(calls[impl][mode], warmup, rep, min_calls)
+                except RuntimeError as e:
+                    if not mode.endswith("_graph"):
+                        res[impl] = _failure(e)
+                    elif mode == "fwd_graph":  # an implementation that cannot be captured: its graph cells stay empty
+                        print(f"  (no CUDA graph: {str(e).splitlines()[0][:80]})", flush=True)
+                except _FAILURES as e:
+                    res[impl] = _failure(e)
     finally:
-        torch.cuda.empty_cache()  # the inputs died with _measure's frame
+        calls.clear()  # the inputs go with the calls
+        torch.cuda.empty_cache()
     return res
 
 
@@ -356,11 +384,12 @@ def _median_result(runs: list[dict]) -> dict:
 
 def run_table(configs, impls, warmup, rep, ceilings, out_lines, label, graph: bool = False, rounds: int = 1,
               min_calls: int = 1):
-    """configs: list of Shape. Returns results[(shape, impl)] = dict. With rounds > 1 every
-    implementation of a row is measured once per round, the implementations in turn (in reverse order every second
-    round, so neither always runs first, on a GPU that the one before left hotter or cooler), and each time is the
-    median over the rounds (the host's speed drifts by tens of percent between seconds on a virtual machine, the
-    GPU's clocks with its power draw). Every time is a median of at least min_calls calls (`_bench`)."""
+    """configs: list of Shape. Returns results[(shape, impl)] = dict, its "rounds" the per-round results. With
+    rounds > 1 every implementation of a row is measured once per round (`bench_round`: each mode for the
+    implementations in turn, in reverse order every second round, so neither always runs first, on a GPU that the
+    one before left hotter or cooler), and each time is the median over the rounds (the host's speed drifts by tens
+    of percent between seconds on a virtual machine, the GPU's clocks with its power draw). Every time is a median of
+    at least min_calls calls (`_bench`)."""
     results = {}
     hdr = ("| dtype | B,H | KV | S | D | causal | impl | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s (% ceil) "
            "| fwd+bwd TFLOP/s (% ceil) | peak extra MiB |" + (" fwd graph ms | fwd+bwd graph ms |" if graph else ""))
@@ -371,14 +400,16 @@ def run_table(configs, impls, warmup, rep, ceilings, out_lines, label, graph: bo
         ceil = ceilings[dtype]
         row_impls = [i for i in impls if not (i.partition("@")[0] == "flash_torch" and s > FLASH_TORCH_MAX_SEQ)]
         runs: dict[str, list] = {impl: [] for impl in row_impls}
+        no_fp32 = [i for i in row_impls if i.partition("@")[0].startswith("sdpa") and dtype == torch.float32]
+        fns = {impl: make_impl(impl) for impl in row_impls if impl not in no_fp32}
         for rnd in range(rounds):
-            for impl in (row_impls if rnd % 2 == 0 else row_impls[::-1]):
-                if impl.partition("@")[0].startswith("sdpa") and dtype == torch.float32:
-                    runs[impl].append({"error": "backend has no fp32"})
-                else:
-                    runs[impl].append(bench_one(impl, make_impl(impl), shape, warmup, rep, graph, min_calls))
+            order = [i for i in (row_impls if rnd % 2 == 0 else row_impls[::-1]) if i not in no_fp32]
+            for impl, r in bench_round(order, fns, shape, warmup, rep, graph, min_calls).items():
+                runs[impl].append(r)
+            for impl in no_fp32:
+                runs[impl].append({"error": "backend has no fp32"})
         for impl in row_impls:
-            r = _median_result(runs[impl])
+            r = {**_median_result(runs[impl]), "rounds": runs[impl]}
             results[(shape, impl)] = r
 
             def tf(mode):
@@ -399,8 +430,17 @@ def run_table(configs, impls, warmup, rep, ceilings, out_lines, label, graph: bo
     return results
 
 
+def _ratio(r: dict, o: dict, mode: str) -> float:
+    """r's time over o's in a mode: the median of the rounds' ratios where both have every round's time (each
+    round's two times taken next to each other, `bench_round`), else the ratio of the medians."""
+    pairs = list(zip(r.get("rounds", []), o.get("rounds", [])))
+    if pairs and len(r["rounds"]) == len(o["rounds"]) and all(mode in a and mode in b for a, b in pairs):
+        return statistics.median(a[mode] / b[mode] for a, b in pairs)
+    return r[mode] / o[mode]
+
+
 def ratio_summary(results, impls, out_lines, graph: bool = False):
-    """flash_triton over SDPA flash / cuDNN time, per shape (bf16 only); with graph, also the ratios of
+    """flash_triton over SDPA flash / cuDNN time, per shape (bf16 only; `_ratio`); with graph, also the ratios of
     the CUDA-graph replays (kernels only)."""
     ours = [i for i in impls if i.startswith("flash_triton")]
     if not ours:
@@ -423,7 +463,7 @@ def ratio_summary(results, impls, out_lines, graph: bool = False):
             for other in ("sdpa_flash", "sdpa_cudnn"):
                 o = results.get((shape, other), {})
                 for mode in modes:
-                    cells.append(f"{r[mode] / o[mode]:.2f}" if mode in r and mode in o else "-")
+                    cells.append(f"{_ratio(r, o, mode):.2f}" if mode in r and mode in o else "-")
             b, h, s, d, dtype = shape[:5]
             out_lines.append(f"| {impl} | {str(dtype)[6:]} | {b},{h} | {shape.kv} | {s} | {d} | "
                              f"{'yes' if shape.causal else 'no'} | " + " | ".join(cells) + " |")

@@ -707,25 +707,46 @@ def test_bench_round_medians():
 
 
 def test_bench_rounds_alternate_order_and_time_enough_calls(monkeypatch):
-    """--rounds: the implementations run in turn, in reverse order every second round; --min-calls: each time is a
+    """--rounds: every implementation is prepared, then each mode is timed for the implementations in turn (the
+    times a ratio compares taken next to each other), in reverse order every second round; a ratio is the median of
+    the rounds' ratios; an implementation that fails is left out of the round's timings; --min-calls: each time is a
     do_bench median over at least that many calls (its rep stretched to min_calls calls of the measured length)."""
     import experiments.attention_bench as bench
-    calls = []
+    real_bench = bench._bench
+    timed, prepared = [], []
+    times = {"a": [1.0, 4.0, 1.0, 4.0], "b": [2.0, 2.0, 2.0, 2.0]}  # a is slower every second round
 
-    def fake_bench_one(impl, fn, shape, warmup, rep, graph=False, min_calls=1):
-        calls.append((impl, min_calls))
-        return {"fwd": 1.0, "bwd": 2.0, "fwd_bwd": 3.0, "mem_mib": 0.0}
-    monkeypatch.setattr(bench, "bench_one", fake_bench_one)
-    monkeypatch.setattr(bench, "make_impl", lambda impl: None)
+    def fake_prepare(fn, res, shape, graph=False):
+        prepared.append(fn)
+        if fn == "c":
+            raise RuntimeError("refuses the shape")
+        res["mem_mib"] = 0.0
+        return {mode: (fn, mode) for mode in bench.MODES}
+
+    def fake_bench(call, warmup, rep, min_calls):
+        impl, mode = call
+        timed.append((impl, mode, min_calls))
+        return times[impl][sum(1 for i, m, _ in timed if (i, m) == (impl, mode)) - 1]
+    monkeypatch.setattr(bench, "_prepare", fake_prepare)
+    monkeypatch.setattr(bench, "_bench", fake_bench)
+    monkeypatch.setattr(bench, "make_impl", lambda impl: impl)
     shape = bench.Shape(1, 2, 64, 16, torch.bfloat16, True)
-    bench.run_table([shape], ["a", "b", "c"], 1, 5, {torch.bfloat16: 100.0}, [], "t", rounds=4, min_calls=7)
-    assert [i for i, _ in calls] == list("abccbaabccba") and {m for _, m in calls} == {7}
+    results = bench.run_table([shape], ["a", "b", "c"], 1, 5, {torch.bfloat16: 100.0}, [], "t", rounds=4,
+                              min_calls=7)
+    assert prepared == list("abccbaabccba") and {m for _, _, m in timed} == {7}
+    assert [(i, m) for i, m, _ in timed[:6]] == [(i, m) for m in bench.MODES for i in "ab"]  # round 0: a, b a mode
+    assert [i for i, m, _ in timed[6:8]] == ["b", "a"]  # round 1: reversed
+    assert results[(shape, "c")]["error"] == "refuses the shape"
+    a, b = results[(shape, "a")], results[(shape, "b")]
+    assert a["fwd"] == 4.0 and b["fwd"] == 2.0  # medians (the upper of an even count)
+    assert bench._ratio(a, b, "fwd") == 1.25  # the median of 0.5, 2, 0.5, 2: not 4 / 2
+    assert bench._ratio({"fwd": 3.0}, {"fwd": 2.0}, "fwd") == 1.5  # no rounds: the ratio of the medians
 
     reps = []
     monkeypatch.setattr(bench, "_one_call_ms", lambda fn: 30.0)
     monkeypatch.setattr(bench, "do_bench", lambda fn, warmup, rep, return_mode: reps.append(rep) or 1.0)
-    bench._bench(lambda: None, 10, 60, 20)
-    bench._bench(lambda: None, 10, 60, 1)
+    real_bench(lambda: None, 10, 60, 20)
+    real_bench(lambda: None, 10, 60, 1)
     assert reps == [600.0, 60]
 
 
