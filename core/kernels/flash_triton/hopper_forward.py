@@ -131,6 +131,8 @@ CONSUMER_REGS, PRODUCER_REGS = {2: 240, 3: 160}, 32
 # 64-key short-row tiles (1.06-1.09x: the waits weigh on steps half as long)
 PINGPONG_HEAD_DIMS = (80, 96, 128)
 SMEM_LIMIT = 232448  # bytes of shared memory a program may have on sm_90
+# how a consumer runs a query tile's first key tile, which has no PV matmul before it (`peel`)
+IN_LOOP, PEEL_ONE_LOOP, PEEL_TWO_LOOPS = 0, 1, 2
 
 
 def _exp2_asm() -> str:
@@ -156,6 +158,8 @@ def _exp2_asm() -> str:
 
 if HAVE_GLUON:
     _HALF_M = gl.constexpr(HALF_M)
+    _IN_LOOP, _PEEL_ONE_LOOP, _PEEL_TWO_LOOPS = gl.constexpr(IN_LOOP), gl.constexpr(PEEL_ONE_LOOP), \
+        gl.constexpr(PEEL_TWO_LOOPS)
     _EXP2_ASM = gl.constexpr(_exp2_asm())
     _EXP2_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 8))
 
@@ -422,9 +426,10 @@ if HAVE_GLUON:
         for S_j and release K_j's slot, softmax of S_j under the PV matmul, wait for it, release V_{j-1}'s slot,
         rescale O. Returns P_j for the next.
         With PINGPONG the two matmuls are issued in turns with the other consumer (this one's group g0 + it).
-        PEEL (`peel`): 0, the loop runs a query tile's every key tile, the first one's PV multiplying its own V tile
-        by P = 0 (p_op comes in as zeros; a no-op, which keeps one copy of the step's code); 0 or 1, the softmax is
-        masked from key mask_from on (the mask behind a branch); 2, every step's softmax is MASKED or not."""
+        PEEL (`peel`): with IN_LOOP the loop runs a query tile's every key tile, the first one's PV multiplying its
+        own V tile by P = 0 (p_op comes in as zeros; a no-op, which keeps one copy of the step's code); with IN_LOOP
+        or PEEL_ONE_LOOP the softmax is masked from key mask_from on (the mask behind a branch); with PEEL_TWO_LOOPS
+        every step's softmax is MASKED or not."""
         dtype: gl.constexpr = q_tile.dtype
         # wgmma groups the PV matmuls leave in flight while S_j is awaited: one per head-dim part
         PV_GROUPS: gl.constexpr = 2 if D_TAIL > 0 else 1
@@ -432,7 +437,7 @@ if HAVE_GLUON:
         for start_n in range(start, end, BLOCK_N):
             stage = it % K_STAGES
             pv_it = it - 1  # the key tile whose PV this step issues
-            if PEEL == 0:
+            if PEEL == _IN_LOOP:
                 pv_it += (start_n == 0).to(gl.int32)
             prev = pv_it % STAGES
             mbarrier.wait(k_ready.index(stage), (it // K_STAGES) & 1)
@@ -446,7 +451,7 @@ if HAVE_GLUON:
             _hand_over(turn, ROLE, PINGPONG)
             s = warpgroup_mma_wait(PV_GROUPS, deps=[s])
             _release_k(k_empty, stage, K_STAGES, STAGES)
-            if PEEL < 2:
+            if PEEL != _PEEL_TWO_LOOPS:
                 # only the mask is branched on: one copy of the softmax's code, not a masked and a full one, which
                 # the instruction cache holds better
                 if start_n >= mask_from:
@@ -458,7 +463,7 @@ if HAVE_GLUON:
                 p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, MASKED, EXP_POLY)
             o, ot, p_op = _pv_wait(o, ot, p_op, D_TAIL)
             # (a first step's V slot is released after the tile's next PV has read it)
-            mbarrier.arrive(v_empty.index(prev), count=1, pred=(start_n > 0) | (PEEL > 0))
+            mbarrier.arrive(v_empty.index(prev), count=1, pred=(start_n > 0) | (PEEL != _IN_LOOP))
             o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, mma_o)), 1)
             if D_TAIL > 0:
                 ot = ot * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, mma_t)), 1)
@@ -476,11 +481,11 @@ if HAVE_GLUON:
         """Online softmax of the 64 rows from row0 over keys [0, hi) (at least one key tile), from ring slot `it`,
         with O_OWN releasing the Q block (q_empty) once the last S = Q K^T is done: (it after the last tile, O
         unnormalised (main part, tail), m, l). With PINGPONG each group of matmuls is issued in turn with the
-        other consumer: a tile of n key tiles makes n + 1 groups (S_0 (with PEEL 0 a no-op PV); S_j with
+        other consumer: a tile of n key tiles makes n + 1 groups (S_0 (IN_LOOP: with a no-op PV); S_j with
         P_{j-1} V_{j-1}; the last PV), the first of them this consumer's group g0 + it. Key tile 0 has no PV to
-        overlap (`peel`): with PEEL 0 it runs in the loop all the same (`_steps`), else it is peeled off the loop,
-        and the other key tiles run in one loop (PEEL 1: two copies of the softmax's code) or the full and the masked
-        ones in a loop each (PEEL 2: three copies)."""
+        overlap (`peel`): with IN_LOOP it runs in the loop all the same (`_steps`), else it is peeled off the loop,
+        and the other key tiles run in one loop (PEEL_ONE_LOOP: two copies of the softmax's code) or the full and the
+        masked ones in a loop each (PEEL_TWO_LOOPS: three copies)."""
         dtype: gl.constexpr = q_tile.dtype
         offs_m = row0 + gl.arange(0, _HALF_M, layout=gl.SliceLayout(1, mma_s))
         offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
@@ -493,7 +498,7 @@ if HAVE_GLUON:
             full_hi = gl.minimum((gl.maximum(row0 + causal_off + 1, 0) // BLOCK_N) * BLOCK_N, n_full)
         else:
             full_hi = n_full
-        if PEEL == 0:
+        if PEEL == _IN_LOOP:
             p_op = gl.zeros([_HALF_M, BLOCK_N], dtype, layout=gl.DotOperandLayout(0, mma_o, 2))
             it, o, ot, m_i, l_i, p_op = _steps(it, 0, hi, full_hi, q_tile, qt_tile, k_smem, v_smem, kt_smem,
                                                vt_smem, k_ready, v_ready, k_empty, v_empty, o, ot, m_i, l_i, p_op,
@@ -515,7 +520,7 @@ if HAVE_GLUON:
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, True, EXP_POLY)
             p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(0, mma_o, 2))
             it += 1
-            if PEEL == 1:  # the other key tiles in one loop, the mask behind its branch
+            if PEEL == _PEEL_ONE_LOOP:  # the other key tiles in one loop, the mask behind its branch
                 it, o, ot, m_i, l_i, p_op = _steps(it, BLOCK_N, hi, full_hi, q_tile, qt_tile, k_smem, v_smem,
                                                    kt_smem, vt_smem, k_ready, v_ready, k_empty, v_empty, o, ot, m_i,
                                                    l_i, p_op, offs_m, offs_n0, n_k, causal_off, qk_scale, False,
@@ -839,10 +844,6 @@ def exp2_poly(d: int, block_n: int, consumers: int) -> bool:
     bounds them (1.06-1.15x), nor at d = 128 (level) or with d = 80's three consumers (1.02x); two or four of each 8
     took longer everywhere (1.0-1.3x)."""
     return d == 64 and block_n == 128 and consumers == 2
-
-
-# how a consumer runs a query tile's first key tile, which has no PV matmul before it (`peel`)
-IN_LOOP, PEEL_ONE_LOOP, PEEL_TWO_LOOPS = 0, 1, 2
 
 
 def peel(d: int, block_n: int, consumers: int, is_causal: bool) -> int:
