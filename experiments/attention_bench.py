@@ -295,13 +295,11 @@ def bench_round(impls: list[str], fns: dict, shape: Shape, warmup, rep, graph: b
                         res[impl][mode] = graph_ms(calls[impl][mode], warmup, rep)
                     else:
                         res[impl][mode] = _bench(calls[impl][mode], warmup, rep, min_calls)
-                except RuntimeError as e:
-                    if not mode.endswith("_graph"):
+                except _FAILURES as e:
+                    if not (mode.endswith("_graph") and isinstance(e, RuntimeError)):
                         res[impl] = _failure(e)
                     elif mode == "fwd_graph":  # an implementation that cannot be captured: its graph cells stay empty
                         print(f"  (no CUDA graph: {str(e).splitlines()[0][:80]})", flush=True)
-                except _FAILURES as e:
-                    res[impl] = _failure(e)
     finally:
         calls.clear()  # the inputs go with the calls
         torch.cuda.empty_cache()
