@@ -428,13 +428,30 @@ def run_table(configs, impls, warmup, rep, ceilings, out_lines, label, graph: bo
     return results
 
 
-def _ratio(r: dict, o: dict, mode: str) -> float:
-    """r's time over o's in a mode: the median of the rounds' ratios where both have every round's time (each
-    round's two times taken next to each other, `bench_round`), else the ratio of the medians."""
+def _round_ratios(r: dict, o: dict, mode: str) -> list[float]:
+    """r's time over o's in a mode, round by round (each round's two times taken next to each other,
+    `bench_round`); empty unless both have every round's time."""
     pairs = list(zip(r.get("rounds", []), o.get("rounds", [])))
     if pairs and len(r["rounds"]) == len(o["rounds"]) and all(mode in a and mode in b for a, b in pairs):
-        return statistics.median(a[mode] / b[mode] for a, b in pairs)
-    return r[mode] / o[mode]
+        return [a[mode] / b[mode] for a, b in pairs]
+    return []
+
+
+def _ratio(r: dict, o: dict, mode: str) -> float:
+    """r's time over o's in a mode: the median of the rounds' ratios (`_round_ratios`) where there are any, else
+    the ratio of the medians."""
+    ratios = _round_ratios(r, o, mode)
+    return statistics.median(ratios) if ratios else r[mode] / o[mode]
+
+
+def _ratio_cell(r: dict, o: dict, mode: str) -> str:
+    """A ratio table's cell: `_ratio`, with the range of the rounds' ratios in brackets where there are several
+    (the spread to read a ratio near 1 against), "-" where either was not measured."""
+    if mode not in r or mode not in o:
+        return "-"
+    ratios = _round_ratios(r, o, mode)
+    spread = f" [{min(ratios):.2f}-{max(ratios):.2f}]" if len(ratios) > 1 else ""
+    return f"{_ratio(r, o, mode):.2f}{spread}"
 
 
 def ratio_summary(results, impls, out_lines, graph: bool = False):
@@ -448,7 +465,8 @@ def ratio_summary(results, impls, out_lines, graph: bool = False):
              "fwd_bwd_graph": "fwd+bwd graph"}
     cols = [f"{names[m]} / {o}" for o in ("flash", "cuDNN") for m in modes]
     start = len(out_lines)
-    out_lines += ["\n### ratios (time of flash_triton / time of the SDPA backend; < 1 means faster)\n",
+    out_lines += ["\n### ratios (time of flash_triton / time of the SDPA backend; < 1 means faster; with rounds the "
+                  "median of the rounds' ratios [their range])\n",
                   "| impl | dtype | B,H | KV | S | D | causal | " + " | ".join(cols) + " |",
                   "|---|---|---|---|---|---|---|" + "---|" * len(cols)]
     shapes = sorted({key[0] for key in results}, key=lambda sh: (str(sh.dtype), sh.kv, not sh.causal, sh.d, sh.s))
@@ -461,7 +479,7 @@ def ratio_summary(results, impls, out_lines, graph: bool = False):
             for other in ("sdpa_flash", "sdpa_cudnn"):
                 o = results.get((shape, other), {})
                 for mode in modes:
-                    cells.append(f"{_ratio(r, o, mode):.2f}" if mode in r and mode in o else "-")
+                    cells.append(_ratio_cell(r, o, mode))
             b, h, s, d, dtype = shape[:5]
             out_lines.append(f"| {impl} | {str(dtype)[6:]} | {b},{h} | {shape.kv} | {s} | {d} | "
                              f"{'yes' if shape.causal else 'no'} | " + " | ".join(cells) + " |")

@@ -741,6 +741,10 @@ def test_bench_rounds_alternate_order_and_time_enough_calls(monkeypatch):
     assert a["fwd"] == 4.0 and b["fwd"] == 2.0  # medians (the upper of an even count)
     assert bench._ratio(a, b, "fwd") == 1.25  # the median of 0.5, 2, 0.5, 2: not 4 / 2
     assert bench._ratio({"fwd": 3.0}, {"fwd": 2.0}, "fwd") == 1.5  # no rounds: the ratio of the medians
+    # the table's cell: the median and the rounds' range; without rounds the ratio alone; unmeasured "-"
+    assert bench._ratio_cell(a, b, "fwd") == "1.25 [0.50-2.00]"
+    assert bench._ratio_cell({"fwd": 3.0}, {"fwd": 2.0}, "fwd") == "1.50"
+    assert bench._ratio_cell(a, {"oom": True}, "fwd") == "-"
 
     reps = []
     monkeypatch.setattr(bench, "_one_call_ms", lambda fn: 30.0)
