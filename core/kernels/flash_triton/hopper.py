@@ -77,12 +77,19 @@ try:
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # 3.9 renamed thread_barrier
     from triton.experimental.gluon.language._core import builtin as _builtin
+    from triton.language.core import _unwrap_if_constexpr
+
+    @_builtin
+    def _reinterpret(buf, dtype, shape, layout, _semantic=None):
+        """Shared-memory buffer `buf` seen as a `shape` tensor of `dtype` in `layout`: the memdesc reinterpret
+        that Triton 3.6 names `_reinterpret` and 3.9 `reinterpret` (the same operation)."""
+        return _semantic.memdesc_reinterpret(buf, _unwrap_if_constexpr(dtype),
+                                             [_unwrap_if_constexpr(x) for x in shape], _unwrap_if_constexpr(layout))
 
     @_builtin
     def _as_fp32(buf, _semantic=None):
         """An int64 shared-memory buffer of n (lse2, delta) pairs seen as 2n fp32, the host TMA descriptor's
-        element (it takes no 64-bit ones); the memdesc reinterpret that Triton 3.6 calls `_reinterpret` and 3.9
-        `reinterpret`."""
+        element (it takes no 64-bit ones; `_reinterpret`)."""
         n = 2 * int(getattr(buf.shape[0], "value", buf.shape[0]))
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
         return _semantic.memdesc_reinterpret(buf, gl.float32, [n], layout)
@@ -364,7 +371,7 @@ if HAVE_GLUON:
                 mbarrier.arrive(ds_free.index(slot), count=1)
                 # in the accumulator's order (`_DQ_FRAG`), the block's FRAG_ROWS rows of the dQ buffer
                 dq_buf = dq_smem.index(slot)
-                dq_buf._reinterpret(gl.float32, [BLOCK_M, HEAD_DIM], _DQ_FRAG).store(dq)
+                _reinterpret(dq_buf, gl.float32, [BLOCK_M, HEAD_DIM], _DQ_FRAG).store(dq)
                 fence_async_shared()
                 _barrier()
                 _tma_add(dq_desc, [(frag_row0 + start_m // BLOCK_M) * _FRAG_ROWS, 0], dq_buf)
@@ -505,7 +512,7 @@ if HAVE_GLUON:
             _barrier()
             if D_TAIL == 0 or ROLE == 0:  # a 64-column block in the accumulator's order (128: halves; 80 / 96: main)
                 _tma_add(dq_desc, [((frag_row0 + start_m // BLOCK_M) * blocks + ROLE) * _FRAG_ROWS, 0],
-                         dq_buf._reinterpret(gl.float32, [_FRAG_ROWS, _FRAG_COLS], _DQ_FRAG_TMA))
+                         _reinterpret(dq_buf, gl.float32, [_FRAG_ROWS, _FRAG_COLS], _DQ_FRAG_TMA))
             else:  # the tail, row-major
                 _tma_add(dq_desc, [z, h, start_m, 0], dq_buf.reshape([1, 1, BLOCK_M, dq_cols]))
             it += 1
