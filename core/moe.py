@@ -53,6 +53,14 @@ class MoEFeedForward(nn.Module):
         self.dispatcher: Optional[Callable[..., tuple[Tensor, Optional[Tensor]]]] = None
         self.aux_loss: Optional[Tensor] = None
         self.stats: dict[str, Tensor] = {}
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each expert's slice as `nn.Linear` initialises a weight of its shape (uniform, bound 1/sqrt(fan_in)), so
+        a module built on its own is usable; `TransformerLM.init_weights` draws the model's values over these."""
+        for w in (self.w1, self.w3, self.w2):
+            bound = 1.0 / math.sqrt(w.shape[-1])
+            nn.init.uniform_(w, -bound, bound)
 
     def capacity(self, tokens: int) -> Optional[int]:
         """The most token copies one expert takes from `tokens` tokens (None: no limit)."""

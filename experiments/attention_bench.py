@@ -450,8 +450,9 @@ def _ratio_cell(r: dict, o: dict, mode: str) -> str:
     if mode not in r or mode not in o:
         return "-"
     ratios = _round_ratios(r, o, mode)
-    spread = f" [{min(ratios):.2f}-{max(ratios):.2f}]" if len(ratios) > 1 else ""
-    return f"{_ratio(r, o, mode):.2f}{spread}"
+    if len(ratios) > 1:
+        return f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
+    return f"{_ratio(r, o, mode):.2f}"
 
 
 def ratio_summary(results, impls, out_lines, graph: bool = False):

@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,46 @@ def test_sweep_points_run_in_their_own_processes(tmp_path):
     pids = {s["pid"] for s in summaries}
     assert len(pids) == 2 and proc.pid not in pids, (pids, proc.pid)
     assert (tmp_path / "sweep" / "report.md").is_file()
+
+
+_ENV_PROBE = textwrap.dedent("""
+    import json, os, sys
+    sys.path.insert(0, {root!r})
+    from omegaconf import OmegaConf
+    import core.trainer, launchers.local as L
+
+    def train(cfg):  # what a rank sees
+        return {{**{{k: os.environ.get(k) for k in ("PROBE", "GONE", "RANK", "WORLD_SIZE")}}, "cwd": os.getcwd(),
+                "forked": L._IMPORTED_IN != os.getpid()}}
+
+    core.trainer.train = train
+    if __name__ == "__main__":
+        cfg = OmegaConf.create({{"mesh": {{"timeout_s": 30}}}})
+        os.environ.update(PROBE="first", GONE="set")
+        first = L.launch_workers(cfg, 2)
+        os.environ["PROBE"] = "second"
+        del os.environ["GONE"]
+        os.chdir(sys.argv[1])
+        print(json.dumps([first, L.launch_workers(cfg, 2)]))
+""")
+
+
+def test_ranks_get_the_environment_and_directory_of_their_launch(tmp_path):
+    """Ranks fork from a forkserver that imported the trainer once, started by the first launch; a later launch in
+    the same process (the next point of a local sweep) still gives its ranks the environment and working directory
+    of that launch, not those the forkserver started with, plus elastic's RANK and WORLD_SIZE."""
+    script, later = tmp_path / "probe.py", tmp_path / "later"
+    script.write_text(_ENV_PROBE.format(root=str(ROOT)))
+    later.mkdir()
+    # the forkserver imports what it can from its own sys.path (Python 3.11 does not pass it the script's): the
+    # package as installed, or PYTHONPATH
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(script), str(later)], capture_output=True, text=True, timeout=180,
+                          cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert first == {"PROBE": "first", "GONE": "set", "RANK": "0", "WORLD_SIZE": "2", "cwd": str(tmp_path),
+                     "forked": True}, first
+    assert second == {"PROBE": "second", "GONE": None, "RANK": "0", "WORLD_SIZE": "2", "cwd": str(later),
+                      "forked": True}, second
+

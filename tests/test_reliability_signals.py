@@ -152,8 +152,12 @@ def test_a_signal_ends_a_benchmark_or_profile_run_with_what_it_measured(tmp_path
 
 
 def _worker_pids(parent: int) -> list[int]:
-    kids = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-    return [int(p) for p in kids if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    """The job's ranks: the children of the forkserver its launcher started (launchers/local.py)."""
+    def children(pid: int) -> list[int]:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+    servers = [c for c in children(parent) if b"multiprocessing.forkserver" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return [rank for server in servers for rank in children(server)]
 
 
 def test_a_collective_timeout_is_recognised_however_the_backend_words_it():

@@ -92,7 +92,7 @@ try:
         element (it takes no 64-bit ones; `_reinterpret`)."""
         n = 2 * int(getattr(buf.shape[0], "value", buf.shape[0]))
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-        return _semantic.memdesc_reinterpret(buf, gl.float32, [n], layout)
+        return _reinterpret(buf, gl.float32, [n], layout, _semantic=_semantic)
 
     _tma_add = getattr(tma, "async_atomic_add", None)
     if _tma_add is None:  # Triton 3.6: the builder has the bulk tensor reduction, Gluon does not expose it yet
