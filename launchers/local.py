@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import select
 import signal
 import socket
 import threading
@@ -108,6 +109,25 @@ def _worker_entry(cfg_container: dict[str, Any], threads: int, events: Any) -> A
         return train(OmegaConf.create(cfg_container))
 
 
+def _end_with_launcher(launcher_pid: int) -> None:
+    """SIGKILL this rank as soon as the launching process ends. Ranks are the forkserver's children, and it stays
+    up while they do (each holds its liveness pipe), so nothing else ends them when the launcher is killed
+    outright (SIGKILL, a Slurm job cancelled or requeued): they would train on, or wait forever for it to read
+    their results. Watches a pidfd (Linux 5.3+); elsewhere does nothing."""
+    try:
+        launcher = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:  # it has already ended
+        os._exit(1)
+    except (AttributeError, OSError):
+        return
+
+    def watch() -> None:
+        select.select([launcher], [], [])  # readable once the launcher has ended
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="scalelab-launcher-watch", daemon=True).start()
+
+
 def _adopt_launch_state(env: dict[str, str], cwd: str) -> None:
     """Give this rank the launching process's environment `env` and working directory `cwd` as they were at the
     launch, with the variables elastic set for the rank on top. A rank forked from the forkserver starts with the
@@ -124,13 +144,15 @@ def _adopt_launch_state(env: dict[str, str], cwd: str) -> None:
     os.chdir(cwd)
 
 
-def _recorded_entry(cfg_container: dict[str, Any], threads: int, events: Any, env: dict[str, str],
-                    cwd: str) -> Any:
-    """`_worker_entry` in the launching process's environment and directory (`_adopt_launch_state`), recording
-    any failure (BaseExceptions such as DCP's CheckpointException included, which elastic's `record` lets pass)
-    in the error file elastic reads back for the parent's message."""
+def _recorded_entry(cfg_container: dict[str, Any], threads: int, events: Any, env: dict[str, str], cwd: str,
+                    launcher_pid: int) -> Any:
+    """`_worker_entry` in the launching process's environment and directory (`_adopt_launch_state`), ending with
+    the launcher (`_end_with_launcher`), and recording any failure (BaseExceptions such as DCP's
+    CheckpointException included, which elastic's `record` lets pass) in the error file elastic reads back for the
+    parent's message."""
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
+    _end_with_launcher(launcher_pid)
     _adopt_launch_state(env, cwd)
     handler = get_error_handler()
     handler.initialize()
@@ -278,7 +300,8 @@ def launch_workers(cfg: DictConfig, nproc: int) -> Any:
                                   daemon=True)
     supervisor.start()
     try:
-        results = elastic_launch(config, _recorded_entry)(container, threads, events, dict(os.environ), os.getcwd())
+        results = elastic_launch(config, _recorded_entry)(container, threads, events, dict(os.environ), os.getcwd(),
+                                                             os.getpid())
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         message, frames = failure_message(failure)

@@ -2,10 +2,12 @@
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -130,4 +132,56 @@ def test_ranks_get_the_environment_and_directory_of_their_launch(tmp_path):
                      "forked": True}, first
     assert second == {"PROBE": "second", "GONE": None, "RANK": "0", "WORLD_SIZE": "2", "cwd": str(later),
                       "forked": True}, second
+
+
+_SLEEPING_RANKS = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {root!r})
+    from omegaconf import OmegaConf
+    import core.trainer, launchers.local as L
+
+    def train(cfg):  # a rank that says where it is, then works for longer than the test waits
+        open(os.path.join(sys.argv[1], f"rank{{os.environ['RANK']}}.pid"), "w").write(str(os.getpid()))
+        time.sleep(300)
+
+    core.trainer.train = train
+    if __name__ == "__main__":
+        L.launch_workers(OmegaConf.create({{"mesh": {{"timeout_s": 30}}}}), 2)
+""")
+
+
+def test_ranks_end_with_a_launcher_killed_outright(tmp_path):
+    """SIGKILL to the launching process (as a cancelled or requeued Slurm job's may get) ends its ranks too: they
+    watch the launcher and end with it (the forkserver they come from stays up while they do)."""
+    script = tmp_path / "sleep.py"
+    script.write_text(_SLEEPING_RANKS.format(root=str(ROOT)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pid_files = [tmp_path / f"rank{r}.pid" for r in (0, 1)]
+    try:
+        deadline = time.monotonic() + 120
+        while not all(f.is_file() and f.read_text() for f in pid_files):
+            assert proc.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        ranks = [int(f.read_text()) for f in pid_files]
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while any(_running(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [pid for pid in ranks if _running(pid)]
+    finally:
+        proc.kill()
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their launcher"
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a process that has not ended (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
