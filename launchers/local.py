@@ -26,6 +26,7 @@ import os
 import select
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -271,6 +272,25 @@ def _supervise_workers(events: Any, done: threading.Event) -> None:
                 _send(pid, sig)
 
 
+def _start_forkserver() -> None:
+    """Start this process's forkserver, unless it runs already (a local sweep's earlier point), importing `_PRELOAD`
+    from this process's `sys.path`: Python 3.11's forkserver imports its preloads from its own default path (the
+    working directory, site-packages), which may hold another copy of this package, an installed one, or none.
+    That path reaches it as PYTHONPATH, which the ranks do not keep (`_adopt_launch_state`)."""
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
 def launch_workers(cfg: DictConfig, nproc: int) -> Any:
     """Run `core.trainer.train(cfg)` on `nproc` local ranks; return rank 0's result."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -293,9 +313,8 @@ def launch_workers(cfg: DictConfig, nproc: int) -> Any:
     container = OmegaConf.to_container(cfg, resolve=True)
     threads = max(1, (os.cpu_count() or 1) // nproc)
     elastic_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGHUP, signal.SIGQUIT)}
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_PRELOAD)  # read when the forkserver starts: this process's first launch
-    events, done = context.SimpleQueue(), threading.Event()
+    _start_forkserver()
+    events, done = multiprocessing.get_context("forkserver").SimpleQueue(), threading.Event()
     supervisor = threading.Thread(target=_supervise_workers, args=(events, done), name="scalelab-worker-supervisor",
                                   daemon=True)
     supervisor.start()

@@ -99,7 +99,8 @@ _ENV_PROBE = textwrap.dedent("""
     import core.trainer, launchers.local as L
 
     def train(cfg):  # what a rank sees
-        return {{**{{k: os.environ.get(k) for k in ("PROBE", "GONE", "RANK", "WORLD_SIZE")}}, "cwd": os.getcwd(),
+        return {{**{{k: os.environ.get(k) for k in ("PROBE", "GONE", "RANK", "WORLD_SIZE", "PYTHONPATH")}},
+                "cwd": os.getcwd(), "local": L.__file__,
                 "forked": L._IMPORTED_IN != os.getpid()}}
 
     core.trainer.train = train
@@ -128,10 +129,11 @@ def test_ranks_get_the_environment_and_directory_of_their_launch(tmp_path):
                           cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert first == {"PROBE": "first", "GONE": "set", "RANK": "0", "WORLD_SIZE": "2", "cwd": str(tmp_path),
-                     "forked": True}, first
-    assert second == {"PROBE": "second", "GONE": None, "RANK": "0", "WORLD_SIZE": "2", "cwd": str(later),
-                      "forked": True}, second
+    # the forkserver's own import path reaches it as PYTHONPATH; the ranks keep the launcher's
+    same = {"RANK": "0", "WORLD_SIZE": "2", "PYTHONPATH": env["PYTHONPATH"], "forked": True,
+            "local": str(ROOT / "launchers" / "local.py")}
+    assert first == {**same, "PROBE": "first", "GONE": "set", "cwd": str(tmp_path)}, first
+    assert second == {**same, "PROBE": "second", "GONE": None, "cwd": str(later)}, second
 
 
 _SLEEPING_RANKS = textwrap.dedent("""
