@@ -122,15 +122,13 @@ def test_ranks_get_the_environment_and_directory_of_their_launch(tmp_path):
     script, later = tmp_path / "probe.py", tmp_path / "later"
     script.write_text(_ENV_PROBE.format(root=str(ROOT)))
     later.mkdir()
-    # the forkserver imports what it can from its own sys.path (Python 3.11 does not pass it the script's): the
-    # package as installed, or PYTHONPATH
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    # the script puts the repository on its sys.path at run time: the launcher hands that path to the forkserver
     proc = subprocess.run([sys.executable, str(script), str(later)], capture_output=True, text=True, timeout=180,
-                          cwd=tmp_path, env=env)
+                          cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = json.loads(proc.stdout.strip().splitlines()[-1])
-    # the forkserver's own import path reaches it as PYTHONPATH; the ranks keep the launcher's
-    same = {"RANK": "0", "WORLD_SIZE": "2", "PYTHONPATH": env["PYTHONPATH"], "forked": True,
+    # the forkserver's import path reaches it as PYTHONPATH; the ranks keep the launcher's
+    same = {"RANK": "0", "WORLD_SIZE": "2", "PYTHONPATH": os.environ.get("PYTHONPATH"), "forked": True,
             "local": str(ROOT / "launchers" / "local.py")}
     assert first == {**same, "PROBE": "first", "GONE": "set", "cwd": str(tmp_path)}, first
     assert second == {**same, "PROBE": "second", "GONE": None, "cwd": str(later)}, second
@@ -157,8 +155,7 @@ def test_ranks_end_with_a_launcher_killed_outright(tmp_path):
     watch the launcher and end with it (the forkserver they come from stays up while they do)."""
     script = tmp_path / "sleep.py"
     script.write_text(_SLEEPING_RANKS.format(root=str(ROOT)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, env=env,
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     pid_files = [tmp_path / f"rank{r}.pid" for r in (0, 1)]
     try:
