@@ -22,6 +22,7 @@ import os
 import random
 import re
 import shutil
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 from core.distributed.strategy import Strategy
 from core.errors import ConfigError, require
@@ -92,6 +92,14 @@ def _write(obj: Any, path: Path) -> None:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _dcp_failure() -> type[BaseException]:
+    """DCP's CheckpointException, a BaseException, once DCP is loaded (it cannot be raised before). DCP is
+    imported where it is used: it loads torch.distributed.tensor, about 1.3 s of CPU in every process that
+    imports the trainer, most of which never save or read one."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    return api.CheckpointException if api is not None else Exception
 
 
 def _os_error(exc: BaseException | None) -> OSError | None:
@@ -219,7 +227,7 @@ class Checkpointer:
                             "format": strategy.checkpoint_format,
                             "reshardable": bool(getattr(strategy, "reshardable", False))}, tmp / "trainer.pt")
                     self._publish(tmp, final)
-            except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            except (Exception, _dcp_failure()) as e:
                 failure = e
             problem = self._shared_problem(failure, step, tmp)
         if problem is not None:
@@ -317,7 +325,7 @@ class Checkpointer:
                 dcp.load(state, checkpoint_id=str(stored))
             else:
                 state = torch.load(stored, weights_only=True, map_location="cpu")
-        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        except (Exception, _dcp_failure()) as e:
             raise ConfigError("resume", f"{stored} cannot be read ({_read_error(e)})", _unreadable_fix(path)) from None
         try:
             strategy.load_state_dict(model, optimizer, state)

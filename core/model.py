@@ -142,6 +142,17 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+class TokenEmbedding(nn.Embedding):
+    """`nn.Embedding` that draws no values on the meta device (a model built there for its shapes).
+
+    Why: `normal_` on a meta tensor runs through `torch._refs`, whose first call imports `torch._dynamo`: about
+    2 s of CPU in every process that plans or builds a model, for values nobody reads."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding on interleaved pairs (x0, x1), (x2, x3), ... of each head."""
 
@@ -250,7 +261,7 @@ class TransformerLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         attention = attention if attention is not None else SDPAAttention()
-        self.token_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.token_embeddings = TokenEmbedding(cfg.vocab_size, cfg.d_model)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta)
         self.blocks = nn.ModuleList(TransformerBlock(cfg, attention, self.rope) for _ in range(cfg.n_layers))
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)

@@ -76,7 +76,13 @@ def choose_port(cfg: DictConfig) -> int:
 
 
 # What the forkserver imports before it forks the first rank (what it cannot import, a rank imports itself).
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "core.trainer", "launchers.local"]
+# Besides the trainer, what every rank imports anyway, seconds of CPU each: torch._dynamo (the optimizer's
+# `__init__` is wrapped in `_disable_dynamo`) and the two modules `init_process_group` imports first
+# (torch.distributed.optim scripts its functional optimizers with TorchScript at import). Last, the
+# forkserver's own fast exit.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch._dynamo",
+            "torch.distributed.nn.functional", "torch.distributed.optim.zero_redundancy_optimizer", "core.trainer",
+            "launchers.local", "launchers.forkserver_exit"]
 # The environment this module was imported with, and where. Imported in the forkserver, that is the environment
 # every rank inherits (the preloads change none), so in a rank what differs from it is what elastic set for the
 # rank (RANK, MASTER_PORT, ...).

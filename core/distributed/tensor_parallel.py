@@ -35,7 +35,7 @@ from core.distributed.mesh import ParallelMesh
 from core.distributed.strategy import CollectiveSpec
 from core.errors import ConfigError, require
 from core.loss import chunked_linear_cross_entropy
-from core.model import RMSNorm
+from core.model import RMSNorm, TokenEmbedding
 
 _SEQ = 1  # activations are (B, T, D): the sequence dimension
 
@@ -232,7 +232,7 @@ class RowParallelLinear(nn.Linear):
         return [(lo, hi - lo, (lo, self._columns.start))] if hi > lo else []
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(TokenEmbedding):
     """The token embedding split over the vocabulary: each rank looks up the tokens its rows hold, zeros the
     rest, and `g` sums the ranks' outputs (all-reduce, or reduce-scatter into sequence shards)."""
 
