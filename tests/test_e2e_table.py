@@ -33,7 +33,7 @@ def test_attention_entry_sets_its_kernel_config():
                       overrides=attention_overrides("flash_triton@ws_min_rows={64:2048};backward=two_pass"))
     assert cfg.attention_impl.name == "flash_triton"
     assert cfg.attention_impl.config.backward == "two_pass"
-    assert dict(cfg.attention_impl.config.ws_min_rows) == {64: 2048, 80: 2048, 96: 2048, 128: 1024}
+    assert dict(cfg.attention_impl.config.ws_min_rows) == {64: 2048, 80: 2048, 96: 1024, 128: 512}
 
 
 def test_interleaved_run_writes_a_ratio_with_its_range(tmp_path):

@@ -1201,8 +1201,8 @@ def test_default_backward_policy(monkeypatch):
     by_d = dict(FlashConfig().ws_min_rows)
     assert set(by_d) == {64, 80, 96, 128}  # every head dim the Gluon backward takes has a threshold
     for d, rows in by_d.items():
-        # 4 x 16 heads: grids too large for the fused backward
-        at, below = (torch.empty(4, 16, n, d, dtype=torch.bfloat16) for n in (rows, rows // 2))
+        # 8 x 16 heads: grids too large for the fused backward, down to a quarter of the rows
+        at, below = (torch.empty(8, 16, n, d, dtype=torch.bfloat16) for n in (rows, rows // 2))
         assert ftd._default_bwd(at, at, at, True) == ft.BWD_ATOMIC_DQ, d
         assert ftd._default_bwd(below, below, below, True) == ft.BWD_TWO_PASS, d
         half = FlashConfig(ws_min_rows={d: rows // 2})
@@ -1212,7 +1212,7 @@ def test_default_backward_policy(monkeypatch):
         assert ftd._default_bwd(at, at, at, True, FlashConfig(ws_min_rows={d + 1: 0})) == ft.BWD_TWO_PASS
         assert ftd._default_bwd(below, below, below, True, FlashConfig(ws_min_rows=0)) == ft.BWD_ATOMIC_DQ
         # without the mask half as many rows: a row sees every key, twice a causal row's on average
-        quarter = torch.empty(4, 16, rows // 4, d, dtype=torch.bfloat16)
+        quarter = torch.empty(8, 16, rows // 4, d, dtype=torch.bfloat16)
         assert ftd._default_bwd(below, below, below, False) == ft.BWD_ATOMIC_DQ, d
         assert ftd._default_bwd(quarter, quarter, quarter, False) == ft.BWD_TWO_PASS, d
     long = torch.empty(4, 16, by_d[64], 64, dtype=torch.bfloat16)

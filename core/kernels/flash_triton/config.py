@@ -20,7 +20,7 @@ from core.errors import ConfigError
 
 TILE_KERNELS = ("fwd", "dq", "dkdv", "fused")
 # "auto"'s Gluon backward from these query rows on, by head dim (docs/attention.md)
-WS_MIN_ROWS = {64: 2048, 80: 2048, 96: 2048, 128: 1024}
+WS_MIN_ROWS = {64: 2048, 80: 2048, 96: 1024, 128: 512}
 _WS_DEFAULT = tuple(sorted(WS_MIN_ROWS.items()))
 BACKWARDS = ("auto", "two_pass", "atomic_dq", "fused")
 SPLIT_MERGES = ("in_kernel", "separate")
