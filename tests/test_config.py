@@ -8,7 +8,7 @@ import pytest
 from hydra.utils import instantiate
 
 from launchers.job import run_job
-from tests.utils import CONF, FAST, ROOT, compose_cfg, read_metrics, read_summary
+from tests.utils import CONF, FAST, ROOT, compose_cfg, read_metrics, read_summary, train_py
 
 GROUPS = ["model", "precision", "attention_impl", "parallelism", "mesh", "data", "optimizer", "logger",
           "experiment", "debug"]
@@ -80,8 +80,8 @@ def _train_command(*overrides: str) -> list[str]:
 
 
 def test_run_directory_is_named_after_what_ran(tmp_path):
-    subprocess.run(_train_command(f"paths.output_root={tmp_path}", "parallelism=ddp_flat"), cwd=ROOT, check=True,
-                   capture_output=True, timeout=300)
+    proc = train_py(_train_command(f"paths.output_root={tmp_path}", "parallelism=ddp_flat")[2:], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").glob("*/*")
     assert re.fullmatch(r"\d\d-\d\d-\d\d_tiny_ddp_flat_single", run_dir.name), run_dir
     assert read_summary(run_dir)["status"] == "ok"

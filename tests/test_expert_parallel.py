@@ -7,9 +7,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,7 +14,7 @@ import torch.nn.functional as F
 
 from core.errors import ConfigError
 from tests.dist_utils import run_ranks
-from tests.utils import ROOT, compose_cfg
+from tests.utils import compose_cfg, train_py
 
 B, T = 2, 8  # sequences per rank, tokens per sequence (the gradient checks)
 
@@ -196,12 +193,10 @@ def test_ep4_and_ep2_on_four_ranks_gradients_equal_one_process_slices():
 
 # ---- whole runs through train.py -------------------------------------------------------------------------------
 def _train(run_dir, *overrides: str) -> list[dict]:
-    cmd = [sys.executable, "train.py", "model=tiny_moe", "model.shared_expert=true", "data=synthetic",
-           "data.seq_len=32", "train.max_steps=3", "train.batch_size=4", "train.log_every=1", "train.eval_every=0",
-           "train.eval_batches=1", "logger=none", "mesh.timeout_s=60", f"paths.output_root={run_dir}",
-           f"hydra.run.dir={run_dir}/run", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    argv = ["model=tiny_moe", "model.shared_expert=true", "data=synthetic", "data.seq_len=32", "train.max_steps=3",
+            "train.batch_size=4", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "logger=none",
+            "mesh.timeout_s=60", f"paths.output_root={run_dir}", f"hydra.run.dir={run_dir}/run", *overrides]
+    proc = train_py(argv, timeout=240, env={"PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "run" / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if "loss" in r]  # the training steps (not the final evaluation)
@@ -270,9 +265,8 @@ def test_refused_before_start(overrides, key, words):
 
 
 def test_refusal_is_one_line_exit_2(tmp_path):
-    proc = subprocess.run([sys.executable, "train.py", "model=tiny", "mesh.dp_shard=2", "mesh.ep=2",
-                           "parallelism=ddp_bucketed", "mesh.device=cpu", f"hydra.run.dir={tmp_path}/run"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = train_py(["model=tiny", "mesh.dp_shard=2", "mesh.ep=2", "parallelism=ddp_bucketed", "mesh.device=cpu",
+                     f"hydra.run.dir={tmp_path}/run"], timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "mesh.ep" in lines[0] and "dense" in lines[0], lines

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from tests.utils import train_py
+
 ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = ["ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed", "zero1", "zero1_rs", "fsdp",
               "torch_ddp", "torch_fsdp2"]
@@ -21,11 +23,10 @@ RESUMED = {"zero1", "fsdp", "torch_fsdp2", "ddp_bucketed"}
 
 
 def _train(tmp: Path, *overrides: str, timeout: int = 240) -> dict:
-    cmd = [sys.executable, "train.py", "mesh=dp2", "mesh.device=cpu", "mesh.timeout_s=60", "model=tiny",
-           "data=synthetic", "train.max_steps=4", "train.batch_size=4", "train.eval_every=0", "train.eval_batches=1",
-           "logger=none", f"paths.output_root={tmp}", f"hydra.run.dir={tmp}/run", *overrides]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    argv = ["mesh=dp2", "mesh.device=cpu", "mesh.timeout_s=60", "model=tiny", "data=synthetic", "train.max_steps=4",
+            "train.batch_size=4", "train.eval_every=0", "train.eval_batches=1", "logger=none",
+            f"paths.output_root={tmp}", f"hydra.run.dir={tmp}/run", *overrides]
+    proc = train_py(argv, timeout=timeout, env={"PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp / "run" / "summary.json").read_text())
     assert summary["status"] == "ok", summary

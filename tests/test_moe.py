@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,7 +14,7 @@ from core.attention import NaiveAttention
 from core.model import ModelConfig, SwiGLU, TransformerLM
 from core.moe import MoEFeedForward
 from core.planner import activation_bytes, matmul_flops
-from tests.utils import ROOT, compose_cfg
+from tests.utils import compose_cfg, train_py
 
 D, FF, E, N = 8, 12, 5, 7  # 7 tokens: 5 experts divide neither the tokens nor the token copies
 
@@ -150,11 +147,10 @@ def test_training_loss_adds_the_weighted_aux_loss(tmp_path):
 
 
 def _train(run_dir, *overrides: str) -> list[float]:
-    cmd = [sys.executable, "train.py", "model=tiny_moe", "data=synthetic", "data.seq_len=32", "train.max_steps=3",
-           "train.batch_size=4", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "logger=none",
-           "mesh.timeout_s=60", f"paths.output_root={run_dir}", f"hydra.run.dir={run_dir}/run", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    argv = ["model=tiny_moe", "data=synthetic", "data.seq_len=32", "train.max_steps=3", "train.batch_size=4",
+            "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "logger=none", "mesh.timeout_s=60",
+            f"paths.output_root={run_dir}", f"hydra.run.dir={run_dir}/run", *overrides]
+    proc = train_py(argv, timeout=240, env={"PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "run" / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in records if "loss" in r]
@@ -172,8 +168,7 @@ def test_tiny_moe_trains_and_dp2_matches_one_process(tmp_path):
 
 
 def test_tensor_parallel_with_experts_is_refused_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "train.py", "model=tiny_moe", "mesh.tp=2", "mesh.device=cpu",
-                           f"hydra.run.dir={tmp_path}/run"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = train_py(["model=tiny_moe", "mesh.tp=2", "mesh.device=cpu", f"hydra.run.dir={tmp_path}/run"], timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "model.n_experts" in lines[0] and "mesh.tp=2" in lines[0], lines

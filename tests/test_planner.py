@@ -19,8 +19,8 @@ from core.planner import (GIB, activation_bytes, format_comparison, head_activat
                           predicted_vs_measured)
 
 import pathlib
-import subprocess
-import sys
+
+from tests.utils import train_py
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
@@ -183,9 +183,8 @@ def test_refuses_a_run_larger_than_the_cpu_memory_and_can_be_forced():
 
 
 def test_a_run_that_does_not_fit_is_refused_before_it_starts(tmp_path):
-    r = subprocess.run([sys.executable, "train.py", "model=tiny", "mesh.device=cpu", "train.max_steps=1",
-                        "++planner.device_overrides.memory_gib=0.0001", f"paths.output_root={tmp_path}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=180)
+    r = train_py(["model=tiny", "mesh.device=cpu", "train.max_steps=1", "++planner.device_overrides.memory_gib=0.0001",
+                  f"paths.output_root={tmp_path}"], timeout=180)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert "needs a predicted" in r.stderr and "Traceback" not in r.stderr
     assert not list(tmp_path.rglob("metrics.jsonl"))

@@ -5,14 +5,13 @@ import multiprocessing
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from launchers.job import run_job
 from tests.dist_utils import run_ranks
-from tests.utils import FAST, ROOT, compose_cfg, read_metrics, read_summary
+from tests.utils import FAST, compose_cfg, read_metrics, read_summary, train_py
 
 # max_steps a multiple of checkpoint.every: the end-of-run save re-saves the last periodic checkpoint
 COMMON = FAST + ["train.max_steps=4", "checkpoint.every=2", "train.batch_size=2", "train.eval_every=0",
@@ -330,8 +329,7 @@ def test_readonly_checkpoint_dir_found_before_training(readonly_dir, tmp_path, c
 
 
 def test_readonly_run_dir_is_one_line(readonly_dir):
-    proc = subprocess.run([sys.executable, "train.py", f"hydra.run.dir={readonly_dir}/run", "train.max_steps=1"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = train_py([f"hydra.run.dir={readonly_dir}/run", "train.max_steps=1"], timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: hydra.run.dir:") and "not writable" in err[0], err

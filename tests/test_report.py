@@ -11,6 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from experiments.report import SweepReportCallback, collect, mesh_name, point_labels, report
+from tests.utils import train_py
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -184,10 +185,9 @@ def test_a_sweep_whose_points_all_finished_ends_normally(sweep: Path):
 @pytest.mark.slow
 def test_a_local_sweep_with_a_failed_point_exits_non_zero(tmp_path: Path):
     """The callback's exit status is the process's: Hydra does not swallow it (before: exit 0)."""
-    r = subprocess.run([sys.executable, "train.py", "-m", "model=tiny", "train.max_steps=4", "train.log_every=1",
-                        "train.eval_every=0", "train.eval_batches=1", "optimizer.warmup_steps=0", "optimizer.lr=1e30",
-                        f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600)
+    r = train_py(["-m", "model=tiny", "train.max_steps=4", "train.log_every=1", "train.eval_every=0",
+                  "train.eval_batches=1", "optimizer.warmup_steps=0", "optimizer.lr=1e30",
+                  f"hydra.sweep.dir={tmp_path / 'sweep'}"], timeout=600)
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     assert "error: 1 of 1 sweep points did not finish:" in r.stderr
     failed = r.stderr.split("error: 1 of 1 sweep points did not finish:\n")[1].splitlines()
@@ -198,10 +198,9 @@ def test_a_local_sweep_with_a_failed_point_exits_non_zero(tmp_path: Path):
 
 def test_validated_sweeper_lists_every_invalid_point_before_starting(tmp_path: Path):
     """No CUDA here: every mesh.device=cuda point is invalid, and the odd batch fails its own check."""
-    r = subprocess.run([sys.executable, "train.py", "-m", "hydra/sweeper=validated", "model=tiny",
-                        "parallelism=ddp_bucketed", "mesh=dp1,dp2", "mesh.device=cuda,cpu", "train.batch_size=16,15",
-                        f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+    r = train_py(["-m", "hydra/sweeper=validated", "model=tiny", "parallelism=ddp_bucketed", "mesh=dp1,dp2",
+                  "mesh.device=cuda,cpu", "train.batch_size=16,15", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                 timeout=120)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     # 4 cuda points + the dp2 point whose 15 sequences do not split over 2 ranks
     assert "5 of 8 sweep points cannot run; nothing was started" in r.stderr

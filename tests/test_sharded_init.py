@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import weakref
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 from tests.dist_utils import run_ranks
-from tests.utils import ROOT, compose_cfg
+from tests.utils import compose_cfg, train_py
 
 WORLD = 4
 # 8 small blocks: the largest weight (embedding, LM head, w1..w3) is ~3% of the model, so one full weight alive
@@ -149,9 +147,8 @@ def test_setup_weights_are_one_processes_init(sharded_runs, case):
 
 
 def test_plan_10b_fsdp_dp8_holds_an_eighth_of_the_parameters():
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "model=10b", "parallelism=fsdp", "mesh.dp_shard=8",
-                           "plan=true", "planner.device=h100_sxm"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    proc = train_py(["model=10b", "parallelism=fsdp", "mesh.dp_shard=8", "plan=true", "planner.device=h100_sxm"],
+                    timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     params = float(re.search(r"\((\d+(?:\.\d+)?)M params\)", proc.stdout).group(1)) * 1e6
     per_rank_gib = float(re.search(r"^\s+parameters\s+(\d+(?:\.\d+)?) GiB", proc.stdout, re.M).group(1))

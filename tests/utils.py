@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -26,12 +27,65 @@ def compose_cfg(overrides: list[str], run_dir: Path | None = None) -> DictConfig
         return compose(config_name="config", overrides=list(overrides) + extra)
 
 
+class _WarmTrain:
+    """This test process's `tests/warm_train.py`: train.py runs forked from an interpreter that imported torch, Hydra
+    and the trainer once. Started on first use, with the environment this module was imported with (after
+    conftest's); it ends when this process does (its request pipe closes)."""
+
+    # variables a fresh interpreter reads at its start (or when torch, OpenMP or Triton load): a run that sets them
+    # otherwise than the server has them starts `python train.py` itself
+    STARTUP = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "TRITON_", "CUDA_", "TORCH", "LD_")
+
+    def __init__(self) -> None:
+        self.env = dict(os.environ)
+        self.server: subprocess.Popen | None = None
+
+    def takes(self, env: dict[str, str]) -> bool:
+        # PYTHONWARNINGS the forked run applies itself, on the server's filters (which then must be the defaults)
+        own = {"PYTHONWARNINGS"} if "PYTHONWARNINGS" not in self.env else set()
+        return all(env.get(k) == self.env.get(k) for k in set(env) | set(self.env)
+                   if k.startswith(self.STARTUP) and k not in own)
+
+    def run(self, argv: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
+        if self.server is None or self.server.poll() is not None:
+            self.server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "warm_train.py")], cwd=ROOT,
+                                           env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           stderr=subprocess.DEVNULL, text=True)
+        with tempfile.TemporaryDirectory(prefix="warm_train_") as io_dir:
+            stdout, stderr = Path(io_dir) / "stdout", Path(io_dir) / "stderr"
+            request = {"argv": argv, "cwd": str(ROOT), "env": env, "stdout": str(stdout), "stderr": str(stderr),
+                       "timeout": timeout}
+            self.server.stdin.write(json.dumps(request) + "\n")
+            self.server.stdin.flush()
+            answer = self.server.stdout.readline()
+            if not answer:
+                raise RuntimeError("tests/warm_train.py ended without answering (run it by hand to see why)")
+            result = json.loads(answer)
+            out, err = stdout.read_text(errors="replace"), stderr.read_text(errors="replace")
+        if result["timed_out"]:
+            raise subprocess.TimeoutExpired(["train.py", *argv], timeout, out, err)
+        return result["returncode"], out, err
+
+
+_WARM = _WarmTrain()
+
+
+def train_py(argv: list[str], timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python train.py argv...` in the repository, its output captured, as a user would run it: forked from a warm
+    interpreter (`tests/warm_train.py`), or a fresh one where `env` sets what an interpreter reads at its start."""
+    cmd = [sys.executable, str(ROOT / "train.py"), *argv]
+    full_env = {**os.environ, **(env or {})}
+    if not _WARM.takes(full_env):
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
+    code, out, err = _WARM.run(list(argv), full_env, timeout)
+    return subprocess.CompletedProcess(cmd, code, out, err)
+
+
 def run_train(overrides: list[str], run_dir: Path, timeout: float = 300, env: dict | None = None,
               check: bool = True) -> subprocess.CompletedProcess:
-    """`python train.py overrides... hydra.run.dir=run_dir` as a user would run it."""
-    cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    """`train_py(overrides + [hydra.run.dir=run_dir])`; with `check`, an AssertionError with its output unless it
+    ends with 0."""
+    proc = train_py([*overrides, f"hydra.run.dir={run_dir}"], timeout, env)
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
