@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 import core.config  # noqa: F401 - the resolvers train.py registers
+from launchers.local import WORKER_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -39,10 +40,13 @@ class _WarmTrain:
     def __init__(self) -> None:
         self.env = dict(os.environ)
         self.server: subprocess.Popen | None = None
+        self.last_pid: int | None = None  # the last run's process, the leader of its session
 
     def takes(self, env: dict[str, str]) -> bool:
-        # PYTHONWARNINGS the forked run applies itself, on the server's filters (which then must be the defaults)
-        own = {"PYTHONWARNINGS"} if "PYTHONWARNINGS" not in self.env else set()
+        # PYTHONWARNINGS the forked run applies itself, on the server's filters (which then must be the defaults);
+        # the launcher's WORKER_ENV, which a test launching ranks in its own process leaves in its environment, is
+        # read when a process group starts
+        own = set(WORKER_ENV) | ({"PYTHONWARNINGS"} if "PYTHONWARNINGS" not in self.env else set())
         return all(env.get(k) == self.env.get(k) for k in set(env) | set(self.env)
                    if k.startswith(self.STARTUP) and k not in own)
 
@@ -61,6 +65,7 @@ class _WarmTrain:
             if not answer:
                 raise RuntimeError("tests/warm_train.py ended without answering (run it by hand to see why)")
             result = json.loads(answer)
+            self.last_pid = result["pid"]
             out, err = stdout.read_text(errors="replace"), stderr.read_text(errors="replace")
         if result["timed_out"]:
             raise subprocess.TimeoutExpired(["train.py", *argv], timeout, out, err)

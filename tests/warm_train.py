@@ -8,7 +8,8 @@ Run as a script (`tests/utils.py` starts one per test process), it reads one req
 child that runs train.py as `python train.py argv...` does: as `__main__`, with that argv, working directory and
 environment, stdin from /dev/null, stdout and stderr into the two files, in a session of its own; the atexit
 handlers run at its end, and its exit code is train.py's (SystemExit's code; 1 and the traceback for an uncaught
-exception, as the interpreter does). The server answers with one JSON line, {"returncode": ..., "timed_out": ...}:
+exception, as the interpreter does). The server answers with one JSON line, {"pid": ..., "returncode": ...,
+"timed_out": ...}:
 the exit status as `subprocess` reports it (-N: killed by signal N); past the timeout it SIGKILLs the child's
 process group (its ranks and their forkserver with it).
 
@@ -100,7 +101,7 @@ def _wait(pid: int, timeout: float) -> dict[str, Any]:
         except ProcessLookupError:
             pass
     _, status = os.waitpid(pid, 0)
-    return {"returncode": os.waitstatus_to_exitcode(status), "timed_out": not ended}
+    return {"pid": pid, "returncode": os.waitstatus_to_exitcode(status), "timed_out": not ended}
 
 
 def main() -> None:
