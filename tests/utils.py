@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -41,16 +42,23 @@ class _WarmTrain:
         self.env = dict(os.environ)
         self.server: subprocess.Popen | None = None
         self.last_pid: int | None = None  # the last run's process, the leader of its session
+        self.lock = threading.Lock()  # the server takes one request at a time
 
     def takes(self, env: dict[str, str]) -> bool:
-        # PYTHONWARNINGS the forked run applies itself, on the server's filters (which then must be the defaults);
-        # the launcher's WORKER_ENV, which a test launching ranks in its own process leaves in its environment, is
-        # read when a process group starts
-        own = set(WORKER_ENV) | ({"PYTHONWARNINGS"} if "PYTHONWARNINGS" not in self.env else set())
+        # PYTHONWARNINGS the forked run applies itself, on the server's filters (which then must be the defaults).
+        # Read later, and left in this process's environment by earlier tests: the launcher's WORKER_ENV (a test
+        # launching ranks in its own process; read when a process group starts) and TORCHINDUCTOR_CACHE_DIR (torch
+        # sets it when it first needs the directory, to the default it would compute anyway)
+        own = set(WORKER_ENV) | {"TORCHINDUCTOR_CACHE_DIR"} | ({"PYTHONWARNINGS"} if "PYTHONWARNINGS" not in self.env
+                                                             else set())
         return all(env.get(k) == self.env.get(k) for k in set(env) | set(self.env)
                    if k.startswith(self.STARTUP) and k not in own)
 
     def run(self, argv: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
+        with self.lock:
+            return self._run(argv, env, timeout)
+
+    def _run(self, argv: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
         if self.server is None or self.server.poll() is not None:
             self.server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "warm_train.py")], cwd=ROOT,
                                            env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
