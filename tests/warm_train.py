@@ -1,7 +1,7 @@
 """`python train.py ...` for the tests, forked from an interpreter that imported torch, Hydra and the trainer once.
 
-Why: the suite runs train.py a few hundred times, and a fresh interpreter spends about 4 s of CPU importing torch,
-Hydra and the trainer and more than 1 s tearing them down, most of a small run's time on the 2-core CI machine.
+Why: the suite runs train.py many times, and a fresh interpreter spends about 4 s of CPU importing torch, Hydra and
+the trainer and more than 1 s tearing them down, most of a small run's time on the 2-core CI machine.
 
 Run as a script (`tests/utils.py` starts one per test process), it reads one request a line on stdin, JSON:
 {"argv": [...], "cwd": ..., "env": {...}, "stdout": path, "stderr": path, "timeout": seconds}. For each it forks a
@@ -9,9 +9,8 @@ child that runs train.py as `python train.py argv...` does: as `__main__`, with 
 environment, stdin from /dev/null, stdout and stderr into the two files, in a session of its own; the atexit
 handlers run at its end, and its exit code is train.py's (SystemExit's code; 1 and the traceback for an uncaught
 exception, as the interpreter does). The server answers with one JSON line, {"pid": ..., "returncode": ...,
-"timed_out": ...}:
-the exit status as `subprocess` reports it (-N: killed by signal N); past the timeout it SIGKILLs the child's
-process group (its ranks and their forkserver with it).
+"timed_out": ...}: the exit status as `subprocess` reports it (-N: killed by signal N); past the timeout it SIGKILLs
+the child's process group (its ranks and their forkserver with it).
 
 What a fresh interpreter would read at its start (PYTHON*, the thread pools' and Triton's variables) is this
 server's, so `tests/utils.py` sends only runs whose environment agrees with the server's on those; the tests about
