@@ -1,5 +1,5 @@
-"""Imported by the local launcher's forkserver only, as the last of its preloads (`launchers.local._PRELOAD`): the
-forkserver then ends without the interpreter's shutdown.
+"""Imported by the local launcher's forkserver only, as the last of its preloads
+(`launchers.local.FORKSERVER_PRELOAD`): the forkserver then ends without the interpreter's shutdown.
 
 Why: the forkserver holds the launcher's stdout and stderr (the ranks it forks write there), so whoever reads them
 (a pipe, `subprocess.run(capture_output=True)`) sees their end only once the forkserver has exited, and with torch

@@ -5,10 +5,10 @@ each worker receives that resolved config and its thread count as arguments, rea
 elastic provides (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and calls `core.trainer.train(cfg)`.
 Every job rendezvouses on its own free localhost port, so sweep jobs can run one after another.
 
-Ranks fork from a forkserver that imported torch and the trainer once (`_PRELOAD`; one per launching process, so
-a local sweep's points share it) instead of each being a fresh interpreter that imports them again: seconds of
-CPU per rank, most of a small run's time. The forkserver never initialises CUDA or joins a process group, and a
-rank takes the launching process's environment and working directory as they are at its launch
+Ranks fork from a forkserver that imported torch and the trainer once (`FORKSERVER_PRELOAD`; one per launching
+process, so a local sweep's points share it) instead of each being a fresh interpreter that imports them again:
+seconds of CPU per rank, most of a small run's time. The forkserver never initialises CUDA or joins a process group,
+and a rank takes the launching process's environment and working directory as they are at its launch
 (`_adopt_launch_state`), as a spawned one would.
 
 Signals: the parent records a stop signal (`core.stop`) and forwards it to every worker; the workers
@@ -80,7 +80,7 @@ def choose_port(cfg: DictConfig) -> int:
 # `__init__` is wrapped in `_disable_dynamo`) and the two modules `init_process_group` imports first
 # (torch.distributed.optim scripts its functional optimizers with TorchScript at import). Last, the
 # forkserver's own fast exit.
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch._dynamo",
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch._dynamo",
             "torch.distributed.nn.functional", "torch.distributed.optim.zero_redundancy_optimizer", "core.trainer",
             "launchers.local", "launchers.forkserver_exit"]
 # The environment this module was imported with, and where. Imported in the forkserver, that is the environment
@@ -279,13 +279,13 @@ def _supervise_workers(events: Any, done: threading.Event) -> None:
 
 
 def _start_forkserver() -> None:
-    """Start this process's forkserver, unless it runs already (a local sweep's earlier point), importing `_PRELOAD`
-    from this process's `sys.path`: Python 3.11's forkserver imports its preloads from its own default path (the
-    working directory, site-packages), which may hold another copy of this package, an installed one, or none.
-    That path reaches it as PYTHONPATH, which the ranks do not keep (`_adopt_launch_state`)."""
+    """Start this process's forkserver, unless it runs already (a local sweep's earlier point), importing
+    `FORKSERVER_PRELOAD` from this process's `sys.path`: Python 3.11's forkserver imports its preloads from its own
+    default path (the working directory, site-packages), which may hold another copy of this package, an installed
+    one, or none. That path reaches it as PYTHONPATH, which the ranks do not keep (`_adopt_launch_state`)."""
     from multiprocessing import forkserver
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
     try:
@@ -303,8 +303,6 @@ def launch_workers(cfg: DictConfig, nproc: int) -> Any:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     port = choose_port(cfg)
-    for k, v in WORKER_ENV.items():
-        os.environ.setdefault(k, v)
     join_timeout_s = float(OmegaConf.select(cfg, "mesh.join_timeout_s", default=600))
     # torch 2.11's LaunchConfig has no shutdown_timeout (its agent then waits its own default before killing the
     # failed worker's peers): pass only the fields this torch has
@@ -325,7 +323,8 @@ def launch_workers(cfg: DictConfig, nproc: int) -> Any:
                                   daemon=True)
     supervisor.start()
     try:
-        results = elastic_launch(config, _recorded_entry)(container, threads, events, dict(os.environ), os.getcwd(),
+        rank_env = {**WORKER_ENV, **os.environ}  # the ranks' only: the user's own settings win
+        results = elastic_launch(config, _recorded_entry)(container, threads, events, rank_env, os.getcwd(),
                                                              os.getpid())
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()

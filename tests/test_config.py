@@ -74,13 +74,18 @@ def test_cs336_model_sizes():
     assert 3.39e9 < xl.num_params() < 3.42e9  # the reference's "3.4B params"
 
 
-def _train_command(*overrides: str) -> list[str]:
-    return [sys.executable, str(ROOT / "train.py"), *FAST, "train.max_steps=2", "train.log_every=1",
-            "train.eval_every=0", "train.batch_size=2", "data.max_bytes=100000", *overrides]
+def _train_args(*overrides: str) -> list[str]:
+    """train.py's arguments for a two-step run of the tiny model with `overrides`."""
+    return [*FAST, "train.max_steps=2", "train.log_every=1", "train.eval_every=0", "train.batch_size=2",
+            "data.max_bytes=100000", *overrides]
+
+
+def _train_command(*args: str) -> list[str]:
+    return [sys.executable, str(ROOT / "train.py"), *args]
 
 
 def test_run_directory_is_named_after_what_ran(tmp_path):
-    proc = train_py(_train_command(f"paths.output_root={tmp_path}", "parallelism=ddp_flat")[2:], timeout=300)
+    proc = train_py(_train_args(f"paths.output_root={tmp_path}", "parallelism=ddp_flat"), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").glob("*/*")
     assert re.fullmatch(r"\d\d-\d\d-\d\d_tiny_ddp_flat_single", run_dir.name), run_dir
@@ -89,7 +94,7 @@ def test_run_directory_is_named_after_what_ran(tmp_path):
 
 def test_two_runs_started_at_once_get_two_directories(tmp_path):
     """Both ask for the same directory (as two runs started in the same second do): each gets its own."""
-    command = _train_command(f"hydra.run.dir=${{unique_dir:{tmp_path / 'run'}}}")
+    command = _train_command(*_train_args(f"hydra.run.dir=${{unique_dir:{tmp_path / 'run'}}}"))
     procs = [subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
@@ -104,8 +109,7 @@ def test_two_runs_started_at_once_get_two_directories(tmp_path):
 def test_two_sweeps_started_at_once_get_two_directories(tmp_path):
     """Two sweeps asking for the same directory at once (the default's clock has one-second resolution): each
     gets its own, and each sweep's points write under the directory it claimed."""
-    command = [*_train_command("seed=1,2", f"hydra.sweep.dir=${{unique_dir:{tmp_path / 'sweep'}}}")]
-    command.insert(2, "-m")
+    command = _train_command("-m", *_train_args("seed=1,2", f"hydra.sweep.dir=${{unique_dir:{tmp_path / 'sweep'}}}"))
     procs = [subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
@@ -122,9 +126,8 @@ def test_two_sweeps_started_at_once_get_two_directories(tmp_path):
 def test_the_default_sweep_directory_holds_its_points(tmp_path):
     """The default sweep directory is claimed once: its points, resolving it again, land in it (not in `_2`),
     each in one directory even where the swept value is a path."""
-    command = _train_command(f"paths.output_root={tmp_path / 'out'}",
-                             f"checkpoint.dir={tmp_path / 'ck1'},{tmp_path / 'ck2'}")
-    command.insert(2, "-m")
+    command = _train_command("-m", *_train_args(f"paths.output_root={tmp_path / 'out'}",
+                                                f"checkpoint.dir={tmp_path / 'ck1'},{tmp_path / 'ck2'}"))
     r = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     (sweep,) = (tmp_path / "out" / "sweeps").glob("*/*")

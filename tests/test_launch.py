@@ -100,7 +100,8 @@ _ENV_PROBE = textwrap.dedent("""
     import core.trainer, launchers.local as L
 
     def train(cfg):  # what a rank sees
-        return {{**{{k: os.environ.get(k) for k in ("PROBE", "GONE", "RANK", "WORLD_SIZE", "PYTHONPATH")}},
+        return {{**{{k: os.environ.get(k) for k in ("PROBE", "GONE", "RANK", "WORLD_SIZE", "PYTHONPATH",
+                                                       "NCCL_NVLS_ENABLE", "TORCH_NCCL_ENABLE_TIMING")}},
                 "cwd": os.getcwd(), "local": L.__file__,
                 "forked": L._IMPORTED_IN != os.getpid()}}
 
@@ -109,17 +110,19 @@ _ENV_PROBE = textwrap.dedent("""
         cfg = OmegaConf.create({{"mesh": {{"timeout_s": 30}}}})
         os.environ.update(PROBE="first", GONE="set")
         first = L.launch_workers(cfg, 2)
-        os.environ["PROBE"] = "second"
+        own = {{k: os.environ.get(k) for k in L.WORKER_ENV}}  # the launcher's own, after a launch
+        os.environ.update(PROBE="second", TORCH_NCCL_ENABLE_TIMING="0")
         del os.environ["GONE"]
         os.chdir(sys.argv[1])
-        print(json.dumps([first, L.launch_workers(cfg, 2)]))
+        print(json.dumps([first, L.launch_workers(cfg, 2), own]))
 """)
 
 
 def test_ranks_get_the_environment_and_directory_of_their_launch(tmp_path):
     """Ranks fork from a forkserver that imported the trainer once, started by the first launch; a later launch in
     the same process (the next point of a local sweep) still gives its ranks the environment and working directory
-    of that launch, not those the forkserver started with, plus elastic's RANK and WORLD_SIZE."""
+    of that launch, not those the forkserver started with, plus elastic's RANK and WORLD_SIZE and the launcher's
+    WORKER_ENV defaults (which the launching process does not keep, and which the user's own settings override)."""
     script, later = tmp_path / "probe.py", tmp_path / "later"
     script.write_text(_ENV_PROBE.format(root=str(ROOT)))
     later.mkdir()
@@ -127,12 +130,15 @@ def test_ranks_get_the_environment_and_directory_of_their_launch(tmp_path):
     proc = subprocess.run([sys.executable, str(script), str(later)], capture_output=True, text=True, timeout=180,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    first, second = json.loads(proc.stdout.strip().splitlines()[-1])
+    first, second, launcher_own = json.loads(proc.stdout.strip().splitlines()[-1])
     # the forkserver's import path reaches it as PYTHONPATH; the ranks keep the launcher's
     same = {"RANK": "0", "WORLD_SIZE": "2", "PYTHONPATH": os.environ.get("PYTHONPATH"), "forked": True,
-            "local": str(ROOT / "launchers" / "local.py")}
-    assert first == {**same, "PROBE": "first", "GONE": "set", "cwd": str(tmp_path)}, first
-    assert second == {**same, "PROBE": "second", "GONE": None, "cwd": str(later)}, second
+            "local": str(ROOT / "launchers" / "local.py"), "NCCL_NVLS_ENABLE": "0"}
+    assert first == {**same, "PROBE": "first", "GONE": "set", "cwd": str(tmp_path),
+                     "TORCH_NCCL_ENABLE_TIMING": "1"}, first
+    assert second == {**same, "PROBE": "second", "GONE": None, "cwd": str(later),
+                      "TORCH_NCCL_ENABLE_TIMING": "0"}, second
+    assert launcher_own == {k: os.environ.get(k) for k in launcher_own}, launcher_own
 
 
 _SLEEPING_RANKS = textwrap.dedent("""

@@ -13,7 +13,6 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 import core.config  # noqa: F401 - the resolvers train.py registers
-from launchers.local import WORKER_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -46,11 +45,9 @@ class _WarmTrain:
 
     def takes(self, env: dict[str, str]) -> bool:
         # PYTHONWARNINGS the forked run applies itself, on the server's filters (which then must be the defaults).
-        # Read later, and left in this process's environment by earlier tests: the launcher's WORKER_ENV (a test
-        # launching ranks in its own process; read when a process group starts) and TORCHINDUCTOR_CACHE_DIR (torch
-        # sets it when it first needs the directory, to the default it would compute anyway)
-        own = set(WORKER_ENV) | {"TORCHINDUCTOR_CACHE_DIR"} | ({"PYTHONWARNINGS"} if "PYTHONWARNINGS" not in self.env
-                                                             else set())
+        # TORCHINDUCTOR_CACHE_DIR torch sets in this process when it first needs the directory (an earlier test), to
+        # the default it would compute anyway.
+        own = {"TORCHINDUCTOR_CACHE_DIR"} | ({"PYTHONWARNINGS"} if "PYTHONWARNINGS" not in self.env else set())
         return all(env.get(k) == self.env.get(k) for k in set(env) | set(self.env)
                    if k.startswith(self.STARTUP) and k not in own)
 

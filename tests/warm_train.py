@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 TRAIN_PY = str(Path(__file__).resolve().parents[1] / "train.py")
-# what every run imports (a multi-rank run's launcher the same; its ranks fork from a forkserver of their own)
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "hydra", "omegaconf", "core.config", "core.errors",
-           "core.trainer", "launchers.job", "launchers.preflight", "launchers.local"]
+# what every run imports besides the modules its ranks' forkserver does (`main` imports those too, except the
+# forkserver's own exit: `os._exit(0)` at exit would end every run with 0)
+PRELOAD = ["hydra", "omegaconf", "core.config", "core.errors", "launchers.job", "launchers.preflight"]
 
 
 def _exit_code(e: SystemExit) -> int:
@@ -106,7 +106,9 @@ def _wait(pid: int, timeout: float) -> dict[str, Any]:
 def main() -> None:
     import importlib
 
-    for name in PRELOAD:
+    from launchers.local import FORKSERVER_PRELOAD
+
+    for name in [m for m in FORKSERVER_PRELOAD if m != "launchers.forkserver_exit"] + PRELOAD:
         importlib.import_module(name)
     answers = sys.stdout
     for line in sys.stdin:
