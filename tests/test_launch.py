@@ -1,4 +1,5 @@
-"""Launcher and full `train.py` runs over 2 CPU ranks (gloo) for every data-parallel strategy."""
+"""Launcher and full `train.py` runs over 2 CPU ranks (gloo): the data-parallel strategies with their own checkpoint
+formats, each resumed exactly (every strategy's 2-rank `train()` in `tests/test_teardown.py`)."""
 import json
 import math
 import os
@@ -16,10 +17,8 @@ from omegaconf import OmegaConf
 from tests.utils import train_py
 
 ROOT = Path(__file__).resolve().parents[1]
-STRATEGIES = ["ddp_naive", "ddp_flat", "ddp_overlap", "ddp_bucketed", "zero1", "zero1_rs", "fsdp",
-              "torch_ddp", "torch_fsdp2"]
-# also checked for exact resume: the strategies with dcp (sharded) checkpoints and one with a full-state one
-RESUMED = {"zero1", "fsdp", "torch_fsdp2", "ddp_bucketed"}
+# the strategies with dcp (sharded) checkpoints and one with a full-state one: each run, then resumed exactly
+STRATEGIES = ["ddp_bucketed", "zero1", "fsdp", "torch_fsdp2"]
 
 
 def _train(tmp: Path, *overrides: str, timeout: int = 240) -> dict:
@@ -45,16 +44,15 @@ def test_fsdp_separate_reduce_scatter_group_trains_the_same(tmp_path):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.slow
 def test_train_py_dp2_cpu(strategy, tmp_path):
-    extra = ["checkpoint.every=2"] if strategy in RESUMED else []
-    s = _train(tmp_path / "a", f"parallelism={strategy}", *extra)
+    s = _train(tmp_path / "a", f"parallelism={strategy}", "checkpoint.every=2")
     assert s["world_size"] == 2 and s["steps"] == 4 and math.isfinite(s["final_loss"])
-    # same seed, same data: every strategy starts from the same loss as single-process training
+    # same seed, same data: the strategy starts from the same loss as single-process training
     assert abs(s["first_loss"] - 5.570815086364746) < 1e-4, s["first_loss"]
-    if strategy in RESUMED:  # resume from step 2 under the same mesh: continues exactly
-        ckpts = sorted((tmp_path / "a" / "run" / "checkpoints").glob("step_*"))
-        step2 = next(c for c in ckpts if c.name.endswith("2"))
-        r = _train(tmp_path / "b", f"parallelism={strategy}", f"resume={step2}")
-        assert r["final_loss"] == s["final_loss"], (r["final_loss"], s["final_loss"])
+    # resume from step 2 under the same mesh: continues exactly
+    ckpts = sorted((tmp_path / "a" / "run" / "checkpoints").glob("step_*"))
+    step2 = next(c for c in ckpts if c.name.endswith("2"))
+    r = _train(tmp_path / "b", f"parallelism={strategy}", f"resume={step2}")
+    assert r["final_loss"] == s["final_loss"], (r["final_loss"], s["final_loss"])
 
 
 def test_port_in_use_is_a_config_error():

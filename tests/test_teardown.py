@@ -18,6 +18,8 @@ STRATEGIES = sorted(p.stem for p in (CONF / "parallelism").glob("*.yaml") if p.s
 # options that open process groups of their own: each must be released with the run too
 EXTRA_GROUPS = {"fsdp": ["parallelism.separate_reduce_scatter=false"]}
 
+# the tiny model's first loss on this data, batch 4, trained in one process
+FIRST_LOSS = 5.570815086364746
 # every run, each on a port of its own
 RUNS = [(s, []) for s in STRATEGIES] + [(s, extra) for s, extra in EXTRA_GROUPS.items()]
 
@@ -43,6 +45,8 @@ def _train_each_strategy(rank: int, world: int, root: str, fail_after_setup: boo
             assert fail_after_setup and "no_such_checkpoint" in str(e), e
         else:
             assert not fail_after_setup and summary["status"] == "ok", summary
+            # same seed, same data: every strategy starts from single-process training's first loss
+            assert abs(summary["first_loss"] - FIRST_LOSS) < 1e-4, (strategy, extra, summary["first_loss"])
         left = backend_threads()
         assert not left, f"parallelism={strategy} {extra}: {len(left)} backend threads outlived train(): {left}"
 
