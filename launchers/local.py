@@ -99,6 +99,22 @@ _ELASTIC_SIGNALS = "SIGHUP,SIGQUIT"
 _MESSAGE_LINES = 40
 
 
+def threads_per_rank(nproc: int) -> int:
+    """CPU threads for each of `nproc` ranks started here: OMP_NUM_THREADS where it is set (a per-process count, as
+    torchrun reads it), else the CPUs this process may run on shared among the ranks: its affinity mask, and in a
+    Slurm task no more than the task's cpus-per-task (Slurm need not pin a task to them). More busy threads than
+    CPUs leave OpenMP's threads spinning for each other: a one-rank Slurm task taking the node's every core for its
+    one-CPU share trained 20 times slower on a busy node."""
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    per_task = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    if "SLURM_JOB_ID" in os.environ and per_task.isdigit() and int(per_task) > 0:
+        cpus = min(cpus, int(per_task))
+    return max(1, cpus // nproc)
+
+
 def _worker_entry(cfg_container: dict[str, Any], threads: int, events: Any) -> Any:
     """One rank: record stop signals, report its pid on `events`, rebuild the resolved config and train with
     `threads` CPU threads."""
@@ -315,7 +331,7 @@ def launch_workers(cfg: DictConfig, nproc: int) -> Any:
                           max_restarts=0, monitor_interval=0.2, start_method="forkserver",
                           **{k: v for k, v in optional.items() if k in fields})
     container = OmegaConf.to_container(cfg, resolve=True)
-    threads = max(1, (os.cpu_count() or 1) // nproc)
+    threads = threads_per_rank(nproc)
     elastic_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGHUP, signal.SIGQUIT)}
     _start_forkserver()
     events, done = multiprocessing.get_context("forkserver").SimpleQueue(), threading.Event()

@@ -114,7 +114,12 @@ class ScalelabSlurmLauncher(SlurmLauncher):
                  singleton_state: Dict[type, Singleton]) -> JobReturn:
         from core import stop
 
-        export_slurm_env()
+        if export_slurm_env():  # this task is a rank: the CPUs Slurm gave it (one-task jobs start a worker)
+            import torch
+
+            from launchers.local import threads_per_rank
+
+            torch.set_num_threads(threads_per_rank(1))
         overrides = list(sweep_overrides)
         if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0:
             # a requeued job resumes from its newest checkpoint, in the same job directory

@@ -1049,42 +1049,49 @@ def compile_sm90(jf, constexprs, types):
 _GLUON_COMPILE = """
 import sys
 from core.kernels.flash_triton import hopper as fg
-head_dim, heads = int(sys.argv[1]), int(sys.argv[2])
-assert head_dim in fg.HEAD_DIMS
-import torch
-from triton.runtime.jit import mangle_type
-constexprs = dict(IS_CAUSAL=True, **fg.ws_constexprs(head_dim, heads))
-q = torch.empty(1, 1, 64, head_dim, dtype=torch.bfloat16)  # descriptors made on the host (`launch_ws`)
-descs = fg.ws_descs(q, q, torch.empty(1, 1, 64, 2), torch.empty(1, 1, 64, head_dim))
-types = {name: mangle_type(desc) for name, desc in zip(fg._bwd_ws_kernel.arg_names, descs)}
-kernel = compile_sm90(fg._bwd_ws_kernel, constexprs, types)
-ptx = kernel.asm["ptx"]
-assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and kernel.asm["cubin"]
-# no descriptor made on the device (per program they cost where its work is short)
-assert "tensormap.replace" not in ptx
-# 80 / 96: the head dim's tail in wgmmas of its own width (dV's and dK's tails), no 128-wide padded tiles
-tail = constexprs["D_TAIL"]
-assert (f"m64n{tail}k16" in ptx) == bool(tail) and ("m64n128k16" in ptx) == (head_dim == 128)
-# dQ parts added with bulk tensor reductions, from two warpgroups (8 warps), within Hopper's 227 KB per program
-assert "cp.reduce.async.bulk.tensor" in ptx and kernel.metadata.num_warps == 8
-assert kernel.metadata.shared <= 232448, kernel.metadata.shared
-# ptxas keeps the wgmmas asynchronous: short of registers it serializes every one (info C7512; the GPU machine's
-# Triton 3.6 ptxas did so at head dim 128 with dK's dS^T as a register operand, 1.08-1.11x the time)
-import os, subprocess, tempfile
-from triton.backends.nvidia.compiler import get_ptxas  # the ptxas this Triton compiles sm_90 code with
-with tempfile.TemporaryDirectory() as tmp:
-    src, out = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-    open(src, "w").write(ptx)
-    log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", src, "-o", out], capture_output=True,
-                         text=True, timeout=240)
-assert log.returncode == 0 and "C7512" not in log.stdout + log.stderr, (log.stdout + log.stderr)[-2000:]
-print("compiled")
+
+
+def check(head_dim, heads):
+    assert head_dim in fg.HEAD_DIMS
+    import torch
+    from triton.runtime.jit import mangle_type
+    constexprs = dict(IS_CAUSAL=True, **fg.ws_constexprs(head_dim, heads))
+    q = torch.empty(1, 1, 64, head_dim, dtype=torch.bfloat16)  # descriptors made on the host (`launch_ws`)
+    descs = fg.ws_descs(q, q, torch.empty(1, 1, 64, 2), torch.empty(1, 1, 64, head_dim))
+    types = {name: mangle_type(desc) for name, desc in zip(fg._bwd_ws_kernel.arg_names, descs)}
+    kernel = compile_sm90(fg._bwd_ws_kernel, constexprs, types)
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and kernel.asm["cubin"]
+    # no descriptor made on the device (per program they cost where its work is short)
+    assert "tensormap.replace" not in ptx
+    # 80 / 96: the head dim's tail in wgmmas of its own width (dV's and dK's tails), no 128-wide padded tiles
+    tail = constexprs["D_TAIL"]
+    assert (f"m64n{tail}k16" in ptx) == bool(tail) and ("m64n128k16" in ptx) == (head_dim == 128)
+    # dQ parts added with bulk tensor reductions, from two warpgroups (8 warps), within Hopper's 227 KB per program
+    assert "cp.reduce.async.bulk.tensor" in ptx and kernel.metadata.num_warps == 8
+    assert kernel.metadata.shared <= 232448, kernel.metadata.shared
+    # ptxas keeps the wgmmas asynchronous: short of registers it serializes every one (info C7512; the GPU machine's
+    # Triton 3.6 ptxas did so at head dim 128 with dK's dS^T as a register operand, 1.08-1.11x the time)
+    import os, subprocess, tempfile
+    from triton.backends.nvidia.compiler import get_ptxas  # the ptxas this Triton compiles sm_90 code with
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        open(src, "w").write(ptx)
+        log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", src, "-o", out], capture_output=True,
+                             text=True, timeout=240)
+    assert log.returncode == 0 and "C7512" not in log.stdout + log.stderr, (log.stdout + log.stderr)[-2000:]
+
+
+for arg in sys.argv[1:]:  # "64x1 80x4 ...": head dim x query heads a program walks
+    check(*map(int, arg.split("x")))
+    print("compiled", arg)
 """
 
 
-def compile_in_child(script: str, *args: str) -> None:
+def compile_in_child(script: str, *args: str) -> str:
     """Run a Gluon compile script (after `_SM90_COMPILE`) in a child process without TRITON_INTERPRET (this
-    process's Triton may run kernels under the interpreter, which does not compile); it must print "compiled"."""
+    process's Triton may run kernels under the interpreter, which does not compile); it must print "compiled".
+    Returns its stdout."""
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -1092,18 +1099,21 @@ def compile_in_child(script: str, *args: str) -> None:
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, "-c", _SM90_COMPILE + script, *args], env=env, cwd=root,
                          capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stdout[-1000:] + res.stderr[-3000:]
+    return res.stdout
 
 
-@pytest.mark.parametrize("head_dim,heads", [(64, 1), (80, 1), (96, 1), (128, 1), (80, 4), (128, 4)])
-def test_gluon_ws_compiles_for_sm90(head_dim, heads):
+def test_gluon_ws_compiles_for_sm90():
     """The Gluon backward compiles for sm_90a with the installed Triton, no GPU needed (the CPU machines run a
     newer Triton than the GPU machine, and Gluon's API moves between releases), at each head dim it takes, with a
-    program per query head and per KV head of 4 query heads (`FlashConfig.ws_gqa_heads`)."""
+    program per query head and per KV head of 4 query heads (`FlashConfig.ws_gqa_heads`). One child process
+    compiles them all (an interpreter's start each would be most of the test's time)."""
     from core.kernels.flash_triton import hopper
     if not hopper.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
-    compile_in_child(_GLUON_COMPILE, str(head_dim), str(heads))
+    shapes = ["64x1", "80x1", "96x1", "128x1", "80x4", "128x4"]
+    out = compile_in_child(_GLUON_COMPILE, *shapes)
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("compiled ")] == shapes, out
 
 
 def _frag_position(rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,6 +55,23 @@ def test_train_py_dp2_cpu(strategy, tmp_path):
     assert r["final_loss"] == s["final_loss"], (r["final_loss"], s["final_loss"])
 
 
+def test_ranks_share_the_cpus_this_process_may_use(monkeypatch):
+    """OMP_NUM_THREADS where set; else this process's CPUs (its affinity, within a Slurm task's cpus-per-task)
+    shared among the ranks, at least one each."""
+    from launchers.local import threads_per_rank
+
+    for k in ("OMP_NUM_THREADS", "SLURM_JOB_ID", "SLURM_CPUS_PER_TASK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert [threads_per_rank(n) for n in (1, 2, 4, 32)] == [16, 8, 4, 1]
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "4")  # outside a Slurm job: not this process's
+    assert threads_per_rank(2) == 8
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert [threads_per_rank(n) for n in (1, 2, 8)] == [4, 2, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert [threads_per_rank(n) for n in (1, 2)] == [3, 3]
+
+
 def test_port_in_use_is_a_config_error():
     from core.errors import ConfigError
     from launchers.local import choose_port
