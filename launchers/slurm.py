@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -53,8 +54,22 @@ def in_slurm_multitask() -> bool:
     return "SLURM_JOB_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
 
 
+# The port rank 0's store listens on, the same for every task of a job: drawn from the job id below Linux's
+# ephemeral range (32768 up), where no outgoing connection or port-0 listener (gloo's, other jobs' launchers) holds
+# it. submitit draws from 20000-60000: job 114_1's 46350 was in use on a busy node, rank 0 failed to listen and its
+# peer waited for the store until the job's time limit.
+_PORTS = (20000, 32768)
+
+
+def job_master_port(job_id: str) -> int:
+    """The rendezvous port of Slurm job `job_id` (an array task's "123_4" included): the same in every task."""
+    low, high = _PORTS
+    return low + zlib.crc32(job_id.encode()) % (high - low)
+
+
 def export_slurm_env() -> bool:
-    """Export torch.distributed's env:// variables from SLURM's (no-op outside a multi-task job).
+    """Export torch.distributed's env:// variables from SLURM's (no-op outside a multi-task job); MASTER_PORT is
+    the user's where set, else `job_master_port`.
 
     Returns True when it exported. Safe to call twice.
     """
@@ -62,7 +77,10 @@ def export_slurm_env() -> bool:
         return False
     import submitit
 
-    env = submitit.helpers.TorchDistributedEnvironment().export(overwrite=True)
+    env = submitit.helpers.TorchDistributedEnvironment()
+    if "MASTER_PORT" not in os.environ:
+        env.master_port = job_master_port(str(submitit.JobEnvironment().job_id))
+    env.export(overwrite=True)
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(env.local_world_size))
     return True
 
