@@ -196,21 +196,26 @@ _TASK_ENV = {"SLURM_JOB_ID": "114", "SLURM_ARRAY_JOB_ID": "114", "SLURM_ARRAY_TA
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
-def test_every_task_of_a_job_rendezvouses_on_one_port_below_the_ephemeral_range(rank, monkeypatch):
+def test_every_task_of_a_job_rendezvouses_on_one_port_below_the_ephemeral_range(rank):
     """The port is the job's (both tasks of array job 114_1 agree), below 32768, where Linux hands out no
     ephemeral port (submitit's own draw for 114_1, 46350, was one in use on a busy node); MASTER_PORT where the
     user set it."""
+    from unittest import mock
+
     from launchers.slurm import export_slurm_env, job_master_port
 
-    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(k, raising=False)
-    for k, v in {**_TASK_ENV, "SLURM_PROCID": rank}.items():
-        monkeypatch.setenv(k, v)
-    assert export_slurm_env()
-    port = int(os.environ["MASTER_PORT"])
-    assert port == job_master_port("114_1") and 20000 <= port < 32768
-    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_ADDR"]) == (rank, "2", "vm")
+    # the export writes RANK, MASTER_*, CUDA_VISIBLE_DEVICES, ... into os.environ: all restored on leaving
+    before = dict(os.environ)
+    with mock.patch.dict(os.environ):
+        for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(k, None)
+        os.environ.update({**_TASK_ENV, "SLURM_PROCID": rank})
+        assert export_slurm_env()
+        port = int(os.environ["MASTER_PORT"])
+        assert port == job_master_port("114_1") and 20000 <= port < 32768
+        assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_ADDR"]) == (rank, "2", "vm")
+        os.environ["MASTER_PORT"] = "29512"
+        assert export_slurm_env() and os.environ["MASTER_PORT"] == "29512"
+    assert dict(os.environ) == before  # nothing left for the tests after this one (the warm runner checks it)
     ports = {job_master_port(f"{j}_{t}") for j in range(100, 140) for t in range(4)}
     assert len(ports) > 150 and all(20000 <= p < 32768 for p in ports)  # jobs spread over the range
-    monkeypatch.setenv("MASTER_PORT", "29512")
-    assert export_slurm_env() and os.environ["MASTER_PORT"] == "29512"
