@@ -104,7 +104,7 @@ def threads_per_rank(nproc: int) -> int:
     torchrun reads it), else the CPUs this process may run on shared among the ranks: its affinity mask, and in a
     Slurm task no more than the task's cpus-per-task (Slurm need not pin a task to them). More busy threads than
     CPUs leave OpenMP's threads spinning for each other: a one-rank Slurm task taking the node's every core for its
-    one-CPU share trained 20 times slower on a busy node."""
+    one-CPU share trained 11 times slower on a busy node."""
     omp = os.environ.get("OMP_NUM_THREADS", "")
     if omp.isdigit() and int(omp) > 0:
         return int(omp)

@@ -13,7 +13,7 @@ os.environ.setdefault("WANDB_SILENT", "true")
 # cores: more busy threads than cores leave OpenMP's threads spinning for each other, and multi-process tests on a
 # 2-core machine slowed several-fold. Set in the workers only: they inherit the controlling process's environment,
 # and a value set there (all the cores: it has no worker count) would be theirs too, and their tests' processes'
-# (Slurm's tasks ran 20 times slower for it)
+# (Slurm's tasks trained 10-20 times slower for it)
 _THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
