@@ -81,8 +81,8 @@ def choose_port(cfg: DictConfig) -> int:
 # (torch.distributed.optim scripts its functional optimizers with TorchScript at import). Last, the
 # forkserver's own fast exit.
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch._dynamo",
-            "torch.distributed.nn.functional", "torch.distributed.optim.zero_redundancy_optimizer", "core.trainer",
-            "launchers.local", "launchers.forkserver_exit"]
+                      "torch.distributed.nn.functional", "torch.distributed.optim.zero_redundancy_optimizer",
+                      "core.trainer", "launchers.local", "launchers.forkserver_exit"]
 # The environment this module was imported with, and where. Imported in the forkserver, that is the environment
 # every rank inherits (the preloads change none), so in a rank what differs from it is what elastic set for the
 # rank (RANK, MASTER_PORT, ...).
