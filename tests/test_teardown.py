@@ -11,15 +11,13 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import backend_threads, free_port, run_ranks
-from tests.utils import CONF, compose_cfg
+from tests.utils import CONF, TINY_SYNTHETIC_FIRST_LOSS, compose_cfg
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc to list threads")
 STRATEGIES = sorted(p.stem for p in (CONF / "parallelism").glob("*.yaml") if p.stem != "none")
 # options that open process groups of their own: each must be released with the run too
 EXTRA_GROUPS = {"fsdp": ["parallelism.separate_reduce_scatter=false"]}
 
-# the tiny model's first loss on this data, batch 4, trained in one process
-FIRST_LOSS = 5.570815086364746
 # every run, each on a port of its own
 RUNS = [(s, []) for s in STRATEGIES] + [(s, extra) for s, extra in EXTRA_GROUPS.items()]
 
@@ -46,7 +44,7 @@ def _train_each_strategy(rank: int, world: int, root: str, fail_after_setup: boo
         else:
             assert not fail_after_setup and summary["status"] == "ok", summary
             # same seed, same data: every strategy starts from single-process training's first loss
-            assert abs(summary["first_loss"] - FIRST_LOSS) < 1e-4, (strategy, extra, summary["first_loss"])
+            assert abs(summary["first_loss"] - TINY_SYNTHETIC_FIRST_LOSS) < 1e-4, (strategy, extra, summary["first_loss"])
         left = backend_threads()
         assert not left, f"parallelism={strategy} {extra}: {len(left)} backend threads outlived train(): {left}"
 
