@@ -1,4 +1,5 @@
 """Benchmark mode (CS336 2.1): w warm-up steps, then n timed steps of one kind, synchronising after each.
+Between them one full pass of Python's garbage collector, whose survivors later passes skip (core/collector.py).
 
 Modes: `forward` (forward + loss, graph kept as in training), `forward_backward`
 (+ backward and gradient synchronisation), `train_step` (+ clipping and optimizer step).
@@ -13,6 +14,7 @@ import time
 from typing import Any, Callable
 
 from core import stop
+from core.collector import long_lived_frozen
 from core.errors import require
 from core.metrics import memory_stats, peak_memory_gib, reset_peak_memory
 from core.summary import write_summary
@@ -20,7 +22,8 @@ from core.summary import write_summary
 MODES = ("forward", "forward_backward", "train_step")
 
 
-def _step_fn(run, mode: str) -> Callable[[int], None]:
+def step_fn(run, mode: str) -> Callable[[int], None]:
+    """One step of benchmark mode `mode` (`MODES`) of `run`, as a function of the step number."""
     if mode == "forward":
         return lambda step: run.loss(*run.micro_batch("train", step, 0))
     if mode == "forward_backward":
@@ -34,23 +37,25 @@ def _step_fn(run, mode: str) -> Callable[[int], None]:
 def time_steps(run, mode: str, warmup: int, steps: int) -> list[float]:
     """Seconds per step for `steps` timed steps after `warmup` untimed ones; fewer when a stop signal arrives
     (checked after each step, outside its timing, agreed by every rank)."""
-    fn = _step_fn(run, mode)
+    fn = step_fn(run, mode)
     for i in range(warmup):
         fn(i)
         run.synchronize()
         if stop.agreed(run.mesh, run.device):
             return []
     run.synchronize()
-    run.mesh.barrier()
-    reset_peak_memory(run.device)
-    times = []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        fn(warmup + i)
-        run.synchronize()
-        times.append(time.perf_counter() - t0)
-        if i + 1 < steps and stop.agreed(run.mesh, run.device):
-            break
+    times: list[float] = []
+    # a full pass of Python's garbage collector now, untimed, then none of the run's objects walked again
+    with long_lived_frozen(collect_now=True):
+        run.mesh.barrier()
+        reset_peak_memory(run.device)
+        for i in range(steps):
+            t0 = time.perf_counter()
+            fn(warmup + i)
+            run.synchronize()
+            times.append(time.perf_counter() - t0)
+            if i + 1 < steps and stop.agreed(run.mesh, run.device):
+                break
     return times
 
 

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from core import loss as loss_chunking
 from core import stop
 from core.checkpoint import Checkpointer
+from core.collector import long_lived_frozen
 from core.data import TokenSource
 from core.distributed.context_parallel import ContextParallel
 from core.distributed.expert_parallel import ExpertParallel
@@ -465,33 +466,35 @@ def _train_loop(run: Run) -> dict[str, Any]:
     step = start_step
     reset_peak_memory(run.device)
     try:
-        while step < tcfg.max_steps:
-            is_log = (step + 1) % tcfg.log_every == 0 or step == start_step or step + 1 == tcfg.max_steps
-            run.strategy.measure_communication(is_log)
-            run.tensor_parallel.measure_communication(is_log)
-            run.expert_parallel.measure_communication(is_log)
-            run.context_parallel.measure_communication(is_log)
-            run.pipeline.measure_communication(is_log)
-            start = _step_mark(run.device)
-            loss, norm = run.train_step(step, measure_norm=is_log)
-            window.add(start, _step_mark(run.device), is_log)
-            step += 1
-            if is_log:
-                step_s = window.close(run)
-                last_loss = all_reduce_mean(loss, mesh)
-                first_loss = last_loss if first_loss is None else first_loss
-                history.append(_log_record(run, step, last_loss, norm, step_s))
-                loggers.log(history[-1], step)
-            if tcfg.eval_every and step % tcfg.eval_every == 0 and step < tcfg.max_steps:
-                val_loss = run.evaluate()
-                loggers.log({"val_loss": val_loss}, step)
-            stop_status, stop_signal = _stop_reason(run, step, is_log)
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or stop_status:
-                _save(run, ckpt, step)
-                window.restart_clock()  # keep checkpoint I/O out of step times
-            if stop_status:
-                status = stop_status
-                break
+        # the run's long-lived objects leave the collector's scans after its first full pass (core/collector.py)
+        with long_lived_frozen():
+            while step < tcfg.max_steps:
+                is_log = (step + 1) % tcfg.log_every == 0 or step == start_step or step + 1 == tcfg.max_steps
+                run.strategy.measure_communication(is_log)
+                run.tensor_parallel.measure_communication(is_log)
+                run.expert_parallel.measure_communication(is_log)
+                run.context_parallel.measure_communication(is_log)
+                run.pipeline.measure_communication(is_log)
+                start = _step_mark(run.device)
+                loss, norm = run.train_step(step, measure_norm=is_log)
+                window.add(start, _step_mark(run.device), is_log)
+                step += 1
+                if is_log:
+                    step_s = window.close(run)
+                    last_loss = all_reduce_mean(loss, mesh)
+                    first_loss = last_loss if first_loss is None else first_loss
+                    history.append(_log_record(run, step, last_loss, norm, step_s))
+                    loggers.log(history[-1], step)
+                if tcfg.eval_every and step % tcfg.eval_every == 0 and step < tcfg.max_steps:
+                    val_loss = run.evaluate()
+                    loggers.log({"val_loss": val_loss}, step)
+                stop_status, stop_signal = _stop_reason(run, step, is_log)
+                if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or stop_status:
+                    _save(run, ckpt, step)
+                    window.restart_clock()  # keep checkpoint I/O out of step times
+                if stop_status:
+                    status = stop_status
+                    break
         finished_before = step == start_step and resume_from is not None
         if finished_before and mesh.is_main:
             print(f"[scalelab] the checkpoint is at step {step}, train.max_steps={tcfg.max_steps}: the run was "

@@ -38,6 +38,7 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from core.benchmark import MODES, time_steps  # noqa: E402
+from core.collector import long_lived_frozen  # noqa: E402
 from core.trainer import build  # noqa: E402
 from experiments.results import default_out, write_result  # noqa: E402
 
@@ -124,11 +125,14 @@ def main() -> None:
                     ms: dict[str, list[float]] = {attn: [] for attn in attentions}
                     for attn, run in runs.items():
                         time_steps(run, mode, args.warmup, 0)
-                    for _ in range(interleave):
-                        for attn, run in runs.items():
-                            step_ms = [t * 1e3 for t in time_steps(run, mode, 0, max(1, args.steps // interleave))]
-                            ms[attn] += step_ms
-                            round_medians.setdefault((size, prec, mode, attn), []).append(statistics.median(step_ms))
+                    # one collection for all rounds (each time_steps inside leaves the frozen heap as it is)
+                    with long_lived_frozen(collect_now=True):
+                        for _ in range(interleave):
+                            for attn, run in runs.items():
+                                step_ms = [t * 1e3 for t in time_steps(run, mode, 0, max(1, args.steps // interleave))]
+                                ms[attn] += step_ms
+                                round_medians.setdefault((size, prec, mode, attn), []).append(
+                                    statistics.median(step_ms))
                     for attn, run in runs.items():
                         record(run, size, prec, attn, mode, ms[attn])
             except torch.cuda.OutOfMemoryError:
