@@ -175,6 +175,7 @@ def _recorded_entry(cfg_container: dict[str, Any], threads: int, events: Any, en
     parent's message."""
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stop.STOP_SIGNALS)  # blocked in the forkserver (`_start_forkserver`)
     _end_with_launcher(launcher_pid)
     _adopt_launch_state(env, cwd)
     handler = get_error_handler()
@@ -298,15 +299,22 @@ def _start_forkserver() -> None:
     """Start this process's forkserver, unless it runs already (a local sweep's earlier point), importing
     `FORKSERVER_PRELOAD` from this process's `sys.path`: Python 3.11's forkserver imports its preloads from its own
     default path (the working directory, site-packages), which may hold another copy of this package, an installed
-    one, or none. That path reaches it as PYTHONPATH, which the ranks do not keep (`_adopt_launch_state`)."""
+    one, or none. That path reaches it as PYTHONPATH, which the ranks do not keep (`_adopt_launch_state`).
+
+    The forkserver and multiprocessing's resource tracker (started with it) start with the stop signals blocked (a
+    signal mask survives exec): a signal sent to every process of the job (Slurm's `scancel --signal`, a terminal's
+    `kill -- -PGID`) would otherwise end them, and the ranks' exit codes, which the forkserver relays, would read 255:
+    a preempted run reported its rank 0 failed. Each rank unblocks them (`_recorded_entry`)."""
     from multiprocessing import forkserver
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, stop.STOP_SIGNALS)
     try:
         forkserver.ensure_running()
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if saved is None:
             del os.environ["PYTHONPATH"]
         else:
