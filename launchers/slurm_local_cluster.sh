@@ -46,8 +46,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# a requeued job waits cred_expire seconds before it may start again (default 120)
-AuthInfo=cred_expire=20
+# a requeued job waits cred_expire seconds before it may start again (default 120); also the lifetime of a job
+# step's credential, which slurmd checks when the step starts (within a second here)
+AuthInfo=cred_expire=10
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
