@@ -312,11 +312,13 @@ def test_fused_bwd_tile_pairing(tiles, n_q, n_k, causal):
 # Split-KV forward: each query tile's keys cut into splits, one program each, merged by logsumexp. Forced
 # here (the interpreter never splits on its own): split lengths of one tile, several tiles and more keys than
 # there are; causal rows that see no key at all (N_q > N_k); outputs poisoned with NaN. Backward on top.
+# Every split length in bf16; fp32 (the same kernel, other casts and tolerances) with the most splits.
 @needs_triton
-@pytest.mark.parametrize("split_keys", [1, 40, 1000], ids=["one_tile", "several_tiles", "one_split"])
+@pytest.mark.parametrize("split_keys, dtype", [(1, torch.float32), (1, torch.bfloat16), (40, torch.bfloat16),
+                                               (1000, torch.bfloat16)],
+                         ids=["one_tile-fp32", "one_tile-bf16", "several_tiles-bf16", "one_split-bf16"])
 @pytest.mark.parametrize("n_q,n_k,causal", [(70, 130, True), (130, 70, True), (90, 90, False)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_split_kv_forward(split_keys, n_q, n_k, causal, dtype):
+def test_split_kv_forward(split_keys, dtype, n_q, n_k, causal):
     cfg = FlashConfig(poison_outputs=True, split_keys=split_keys)
     torch.manual_seed(11)
     q, k, v = make_qkv((1, 2, n_q, 32), n_k, dtype)
