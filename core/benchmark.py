@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable
 
 from core import stop
-from core.collector import long_lived_frozen
+from core.collector import FrozenHeap
 from core.errors import require
 from core.metrics import memory_stats, peak_memory_gib, reset_peak_memory
 from core.summary import write_summary
@@ -45,8 +45,8 @@ def time_steps(run, mode: str, warmup: int, steps: int) -> list[float]:
             return []
     run.synchronize()
     times: list[float] = []
-    # a full pass of Python's garbage collector now, untimed, then none of the run's objects walked again
-    with long_lived_frozen(collect_now=True):
+    with FrozenHeap() as heap:
+        heap.freeze_now()  # untimed: the timed steps' passes of the collector then skip the run's objects
         run.mesh.barrier()
         reset_peak_memory(run.device)
         for i in range(steps):

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from core import loss as loss_chunking
 from core import stop
 from core.checkpoint import Checkpointer
-from core.collector import long_lived_frozen
+from core.collector import FrozenHeap
 from core.data import TokenSource
 from core.distributed.context_parallel import ContextParallel
 from core.distributed.expert_parallel import ExpertParallel
@@ -466,8 +466,8 @@ def _train_loop(run: Run) -> dict[str, Any]:
     step = start_step
     reset_peak_memory(run.device)
     try:
-        # the run's long-lived objects leave the collector's scans after its first full pass (core/collector.py)
-        with long_lived_frozen():
+        # after the collector's first full pass, the run's long-lived objects leave its later ones
+        with FrozenHeap() as heap:
             while step < tcfg.max_steps:
                 is_log = (step + 1) % tcfg.log_every == 0 or step == start_step or step + 1 == tcfg.max_steps
                 run.strategy.measure_communication(is_log)
@@ -495,6 +495,7 @@ def _train_loop(run: Run) -> dict[str, Any]:
                 if stop_status:
                     status = stop_status
                     break
+                heap.step_boundary()
         finished_before = step == start_step and resume_from is not None
         if finished_before and mesh.is_main:
             print(f"[scalelab] the checkpoint is at step {step}, train.max_steps={tcfg.max_steps}: the run was "

@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from core.benchmark import MODES, time_steps  # noqa: E402
-from core.collector import long_lived_frozen  # noqa: E402
+from core.collector import FrozenHeap  # noqa: E402
 from core.trainer import build  # noqa: E402
 from experiments.results import default_out, write_result  # noqa: E402
 
@@ -126,7 +126,8 @@ def main() -> None:
                     for attn, run in runs.items():
                         time_steps(run, mode, args.warmup, 0)
                     # one collection for all rounds (each time_steps inside leaves the frozen heap as it is)
-                    with long_lived_frozen(collect_now=True):
+                    with FrozenHeap() as heap:
+                        heap.freeze_now()
                         for _ in range(interleave):
                             for attn, run in runs.items():
                                 step_ms = [t * 1e3 for t in time_steps(run, mode, 0, max(1, args.steps // interleave))]

@@ -1,7 +1,7 @@
-"""Python's garbage collector in a train step: its full passes with and without `core.collector.long_lived_frozen`.
+"""Python's garbage collector in a train step: its full passes with and without `core.collector.FrozenHeap`.
 
 Builds one run from Hydra overrides, warms it up, then times N train steps as they come (the collector on its own
-schedule), and N more inside `long_lived_frozen(collect_now=True)`, as benchmark mode and the trainer run them. For
+schedule), and N more after `FrozenHeap.freeze_now()`, as benchmark mode runs them. For
 each: the step times (median, mean, max, steps over 1.15x the median), the full (generation 2) passes the collector
 ran by itself and how long each took, and the time of one full pass forced at the end.
 
@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from core.benchmark import step_fn  # noqa: E402
-from core.collector import long_lived_frozen  # noqa: E402
+from core.collector import FrozenHeap  # noqa: E402
 from core.trainer import build  # noqa: E402
 
 
@@ -79,8 +79,9 @@ def main() -> None:
           "| steps | objects the collector walks | frozen | median ms | mean ms | max ms | steps > 1.15x median "
           "| full passes by itself, ms | a forced full pass, ms |\n|---|---|---|---|---|---|---|---|---|", flush=True)
     print(timed_steps(run, step, args.steps, passes, "as they come"), flush=True)
-    with long_lived_frozen(collect_now=True):
-        print(timed_steps(run, step, args.steps, passes, "long_lived_frozen"), flush=True)
+    with FrozenHeap() as heap:
+        heap.freeze_now()
+        print(timed_steps(run, step, args.steps, passes, "FrozenHeap"), flush=True)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ import gc
 import weakref
 
 from core.benchmark import time_steps
-from core.collector import long_lived_frozen
+from core.collector import FrozenHeap
 from tests.utils import FAST, compose_cfg
 
 
@@ -20,52 +20,61 @@ def _walked(obj: object) -> bool:
     return any(o is obj for o in gc.get_objects())
 
 
-def test_collect_now_freezes_what_lives_and_still_frees_new_cycles():
+def test_freeze_now_freezes_what_lives_and_new_cycles_are_still_freed():
     assert gc.get_freeze_count() == 0
     old = _Cycle()
-    with long_lived_frozen(collect_now=True):
+    with FrozenHeap() as heap:
+        heap.freeze_now()
         assert not _walked(old) and gc.get_freeze_count() > 0
         young = _Cycle()
         gone = weakref.ref(young)
         del young
         assert _walked(gone())
         gc.collect()
-        assert gone() is None  # garbage made inside the block is still freed
+        assert gone() is None  # garbage made after the freeze is still freed
     assert gc.get_freeze_count() == 0 and _walked(old)  # everything back to the collector
 
 
-def test_without_collect_now_the_collectors_own_full_pass_freezes():
+def test_step_boundary_freezes_after_the_collectors_own_full_pass_and_not_the_last_steps_garbage():
     old = _Cycle()
-    with long_lived_frozen():
-        assert _walked(old)  # nothing frozen before a full pass
+    with FrozenHeap() as heap:
+        heap.step_boundary()
+        assert _walked(old) and gc.get_freeze_count() == 0  # no full pass yet: nothing frozen
         gc.collect(1)
-        assert _walked(old) and gc.get_freeze_count() == 0  # a younger pass freezes nothing
-        gc.collect()
-        assert not _walked(old)
-    assert _walked(old) and gc.get_freeze_count() == 0 and not any(
-        getattr(cb, "__module__", "") == "core.collector" for cb in gc.callbacks)
+        heap.step_boundary()
+        assert gc.get_freeze_count() == 0  # a younger pass does not count
+        gc.collect()  # the collector's full pass (here forced), in the middle of a step
+        last_step = _Cycle()  # the step's garbage, made after that pass
+        gone = weakref.ref(last_step)
+        del last_step
+        assert not gc.get_freeze_count()  # nothing frozen inside the step
+        heap.step_boundary()
+        assert gone() is None and not _walked(old)  # the step's cycle collected, the rest frozen
+    assert _walked(old) and gc.get_freeze_count() == 0 and heap._observe not in gc.callbacks
 
 
-def test_an_enclosing_block_decides():
+def test_an_enclosing_heap_decides():
     old = _Cycle()
-    with long_lived_frozen():
-        with long_lived_frozen(collect_now=True):  # changes nothing: the enclosing block freezes at its full pass
+    with FrozenHeap() as outer:
+        with FrozenHeap() as inner:
+            inner.freeze_now()  # does nothing: the outer one owns the freeze
             assert _walked(old) and gc.get_freeze_count() == 0
-        gc.collect()
-        with long_lived_frozen():
+        outer.freeze_now()
+        with FrozenHeap():
             pass
-        assert not _walked(old)  # the inner block's exit did not unfreeze
+        assert not _walked(old)  # the inner one's exit did not unfreeze
     assert _walked(old)
 
 
-def test_objects_frozen_before_the_block_stay_frozen():
+def test_objects_frozen_before_the_heap_stay_frozen():
     early = _Cycle()
     gc.freeze()  # as a library may, before the run
     try:
         late = _Cycle()
-        with long_lived_frozen(collect_now=True):
-            assert not _walked(early) and not _walked(late)  # the block still freezes what lived at its start
-        assert not _walked(early) and not _walked(late)  # gc cannot unfreeze only the block's objects
+        with FrozenHeap() as heap:
+            heap.freeze_now()
+            assert not _walked(early) and not _walked(late)
+        assert not _walked(early) and not _walked(late)  # gc cannot unfreeze only the heap's objects
     finally:
         gc.unfreeze()
 
