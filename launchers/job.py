@@ -228,7 +228,9 @@ def _run_job(cfg: DictConfig) -> dict[str, Any] | None:
         message = str(config_error) if bad_input else f"{type(e).__name__}: {e}"
         if run_dir is not None and int(os.environ.get("RANK", "0")) == 0:
             write_summary(run_dir, {"status": "failed", "error": message, "overrides": ctx["overrides"]}, replace=True)
-        if ctx["multirun"]:
+        # a rank of a job of several processes (a Slurm task, a torchrun rank) ends with the error instead: its
+        # launcher (srun, torchrun) then ends the other ranks, which would otherwise wait for this one
+        if ctx["multirun"] and not (dist_env_present() and int(os.environ["WORLD_SIZE"]) > 1):
             print(f"[scalelab] job failed, sweep continues: {message}", file=sys.stderr, flush=True)
             if not bad_input:
                 traceback.print_exc()

@@ -21,6 +21,8 @@ On the submitting machine: every point's resources are checked against the parti
 anything is submitted (launchers/slurm_resources.py), and the wait for results follows job states
 without needing Slurm accounting (launchers/slurm_state.py). A job that ends without a result
 (cancelled, TIMEOUT, ...) gets `status: failed` and how it ended in its summary.json, and the sweep goes on.
+In a job of several tasks, a rank that fails ends its task with the error, and srun (`--kill-on-bad-exit`) the
+others, instead of leaving them to wait for it.
 """
 from __future__ import annotations
 
@@ -147,7 +149,13 @@ class ScalelabSlurmLauncher(SlurmLauncher):
                 "resume=auto", f"hydra.job.config.override_dirname.exclude_keys=[{','.join(keep + ['resume'])}]"]
         try:
             with stop.handling_stop_signals():  # from here on, not submitit's handlers: the job's own stop path
-                return super().__call__(overrides, job_dir_key, job_num, job_id, singleton_state)
+                ret = super().__call__(overrides, job_dir_key, job_num, job_id, singleton_state)
+            if ret.status == JobStatus.FAILED and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                # One rank of several failed. Its task ends with the error (submitit records it, the task exits 1)
+                # and srun, run with --kill-on-bad-exit, ends the job's other tasks: they would wait for this rank
+                # up to mesh.join_timeout_s (for rank 0's rendezvous store) or mesh.timeout_s (in a collective).
+                ret.return_value  # noqa: B018 - hydra's JobReturn raises a failed job's exception when read
+            return ret
         except stop.RunStopped as stopped:
             if stopped.signal != getattr(signal, "SIG" + self.preempt_signal):
                 raise  # scancel: the job ends here, its checkpoint kept
@@ -234,7 +242,9 @@ class ScalelabSlurmLauncher(SlurmLauncher):
         jobs: dict[int, Any] = {}
         for world, members in groups.items():
             executor = submitit.AutoExecutor(cluster="slurm", **init_params)
-            executor.update_parameters(**{**common, **resources[world]})
+            # a task that exits non-zero (a failed rank, `__call__`) ends the job's other tasks
+            kill_on_bad_exit = {"slurm_srun_args": ["--kill-on-bad-exit=1"]} if world > 1 else {}
+            executor.update_parameters(**{**common, **resources[world], **kill_on_bad_exit})
             submitted = executor.map_array(self, *zip(*[all_args[i] for i in members]))
             watch(submitted, watcher)
             jobs.update(zip(members, submitted))

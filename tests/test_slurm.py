@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -176,6 +177,26 @@ def test_a_cancelled_job_ends_the_wait_as_a_failed_point(tmp_path: Path):
     s = json.loads((metrics.parent / "summary.json").read_text())
     assert (s["status"], s.get("signal")) == ("stopped", "SIGTERM") or s["status"] in ("killed", "failed"), s
     assert "stopped by SIGTERM" in out or s["status"] != "stopped", out[-4000:]
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_before_the_rendezvous_ends_its_job_at_once(tmp_path: Path):
+    """Rank 0 cannot listen on MASTER_PORT (held here; the user's MASTER_PORT wins). Before, its task ended without
+    an error and rank 1 waited for the rendezvous store for mesh.join_timeout_s (600 s), the job's whole time
+    limit; now the failed rank's task exits non-zero and srun (--kill-on-bad-exit) ends the job's other task."""
+    sweep = tmp_path / "sweep"
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "train.py", "-m", *SLURM_CPU, "mesh=dp2", "parallelism=ddp_bucketed",
+                            f"hydra.sweep.dir={sweep}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "MASTER_PORT": str(port)})
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "error: 1 of 1 sweep points did not finish:" in r.stderr, r.stderr[-3000:]
+    [summary] = sweep.glob("*/summary.json")
+    s = json.loads(summary.read_text())
+    assert s["status"] == "failed" and str(port) in s["error"], s
 
 
 @pytest.mark.slow
