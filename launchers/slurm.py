@@ -270,6 +270,9 @@ def _outcome(job: Any, overrides: list[str], idx: int, run_dir: Path, watcher: Q
     except UncompletedJobError:
         message = (f"Slurm job {job.job_id} {describe_end(watcher, job.job_id)} without a result "
                    f"(log: {job.task(0).paths.stdout})")
+        failed = _failed_task(job)
+        if failed:
+            message += f"; {failed}"
     summary = run_dir / "summary.json"
     try:
         status = json.loads(summary.read_text()).get("status") if summary.is_file() else None
@@ -282,6 +285,20 @@ def _outcome(job: Any, overrides: list[str], idx: int, run_dir: Path, watcher: Q
     # like a failing local point: recorded as failed, and the sweep goes on to collect the others
     return JobReturn(overrides=overrides, status=JobStatus.COMPLETED,
                      _return_value={"status": "failed", "error": message})
+
+
+def _failed_task(job: Any) -> str | None:
+    """The first task of `job` that recorded an error (a failed rank, whose non-zero exit made srun end the other
+    tasks, rank 0's without a result), as 'task N failed: <its exception line>'."""
+    from submitit.core.utils import FailedJobError
+
+    for k in range(job.num_tasks):
+        task = job.task(k)
+        if task.paths.result_pickle.exists():
+            error = task.exception()
+            if isinstance(error, FailedJobError):
+                return f"task {k} failed: {_last_error_line(str(error))}"
+    return None
 
 
 def _last_error_line(text: str) -> str:

@@ -120,6 +120,31 @@ def test_a_job_that_ended_without_a_result_is_a_failed_point(cluster: Path, tmp_
     assert summary["plan"] == {"step_time_ms": 1.0}  # what the job wrote first is kept
 
 
+def test_a_job_whose_other_task_failed_names_that_tasks_error(cluster: Path, tmp_path: Path, monkeypatch):
+    """Rank 1 failed: its task recorded the error and srun ended rank 0's task, which left no result. The point's
+    error names rank 1's exception, not only "without a result"."""
+    from submitit.core.utils import cloudpickle_dump
+    from submitit.slurm.slurm import SlurmJob
+
+    from launchers.slurm import _outcome
+
+    cluster.write_text("32|FAILED|n1\n")
+    monkeypatch.setattr(SlurmJob, "_results_timeout_s", 1)  # submitit's grace for a result file on a slow file system
+    job = SlurmJob(folder=tmp_path / "submitit", job_id="32", tasks=(0, 1))
+    job.paths.folder.mkdir(parents=True)
+    trace = 'Traceback (most recent call last):\n  File "x.py", line 1\nValueError: rank 1 could not start\n'
+    cloudpickle_dump(("error", trace), job.task(1).paths.result_pickle)
+    watcher = QueueStateWatcher(delay_s=1)
+    watch([job], watcher)
+    run_dir = tmp_path / "0_mesh=dp2"
+    run_dir.mkdir()
+    ret = _outcome(job, ["mesh=dp2"], 0, run_dir, watcher)
+    error = ret.return_value["error"]
+    assert "Slurm job 32 ended FAILED without a result" in error and \
+        error.endswith("; task 1 failed: ValueError: rank 1 could not start"), error
+    assert json.loads((run_dir / "summary.json").read_text())["error"] == error
+
+
 @pytest.mark.parametrize("restarts,limit,allowed", [(0, 1, True), (1, 1, False), (3, 1, False), (0, 0, False),
                                                     (2, 3, True), (3, 3, False)])
 def test_requeues_stop_at_max_num_timeout(restarts, limit, allowed, monkeypatch):
