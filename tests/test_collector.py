@@ -93,3 +93,19 @@ def test_benchmark_steps_do_not_walk_the_model(tmp_path):
     assert len(time_steps(run, "forward", 1, 2)) == 2
     assert walked == [True, False, False]  # warm-up walked, timed steps not
     assert gc.get_freeze_count() == 0 and _walked(model)
+
+
+def test_gc_pauses_experiment_runs_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """experiments/gc_pauses.py on the tiny model: its two rows, the frozen one walking a small part of what the
+    other walks."""
+    from experiments import gc_pauses
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["gc_pauses.py", "--steps", "2", "--warmup", "1", "data=synthetic",
+                                     "train.batch_size=2"])
+    gc_pauses.main()
+    rows = {r.split("|")[1].strip(): r.split("|")[2:] for r in capsys.readouterr().out.splitlines()
+            if r.startswith("| as they come") or r.startswith("| FrozenHeap")}
+    walked = {name: int(cells[0].strip().replace(",", "")) for name, cells in rows.items()}
+    assert walked.keys() == {"as they come", "FrozenHeap"} and walked["FrozenHeap"] < walked["as they come"] / 100
+    assert gc.get_freeze_count() == 0
