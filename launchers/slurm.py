@@ -134,7 +134,8 @@ class ScalelabSlurmLauncher(SlurmLauncher):
                  singleton_state: Dict[type, Singleton]) -> JobReturn:
         from core import stop
 
-        if export_slurm_env():  # this task is a rank: the CPUs Slurm gave it (one-task jobs start a worker)
+        is_rank = export_slurm_env()  # a rank of a multi-task job (a one-task job starts a worker)
+        if is_rank:  # the CPUs Slurm gave this task
             import torch
 
             from launchers.local import threads_per_rank
@@ -150,7 +151,7 @@ class ScalelabSlurmLauncher(SlurmLauncher):
         try:
             with stop.handling_stop_signals():  # from here on, not submitit's handlers: the job's own stop path
                 ret = super().__call__(overrides, job_dir_key, job_num, job_id, singleton_state)
-            if ret.status == JobStatus.FAILED and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            if ret.status == JobStatus.FAILED and is_rank:
                 # One rank of several failed. Its task ends with the error (submitit records it, the task exits 1)
                 # and srun, run with --kill-on-bad-exit, ends the job's other tasks: they would wait for this rank
                 # up to mesh.join_timeout_s (for rank 0's rendezvous store) or mesh.timeout_s (in a collective).

@@ -44,7 +44,8 @@ def _train_each_strategy(rank: int, world: int, root: str, fail_after_setup: boo
         else:
             assert not fail_after_setup and summary["status"] == "ok", summary
             # same seed, same data: every strategy starts from single-process training's first loss
-            assert abs(summary["first_loss"] - TINY_SYNTHETIC_FIRST_LOSS) < 1e-4, (strategy, extra, summary["first_loss"])
+            assert abs(summary["first_loss"] - TINY_SYNTHETIC_FIRST_LOSS) < 1e-4, \
+                (strategy, extra, summary["first_loss"])
         left = backend_threads()
         assert not left, f"parallelism={strategy} {extra}: {len(left)} backend threads outlived train(): {left}"
 
