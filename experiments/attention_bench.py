@@ -10,9 +10,9 @@ Standalone (torch, triton, numpy only; no hydra), one command per table:
 The `training` preset is the grid a training run hands the kernel: B x H x S about 1M (B x S = 64K tokens, S = 512
 to 16384, H = 16; `--tokens` sets another B x S), head dims 64, 80 (the CS336 xl / 2.7B models), 96 and 128, bf16
 (`--dtypes bf16,fp16` adds fp16; `--causal both` adds non-causal rows; `--gqa` adds grouped-query rows, 4 query
-heads per KV head), ours against SDPA's flash and cuDNN backends, medians over 3 interleaved rounds. `--layout
-model` hands every implementation its inputs as the model does (q, k, v views of the fused projection, dO laid out
-(B, S, H, d)) instead of dense (B, H, S, d) tensors.
+heads per KV head, `--gqa only` runs only those), ours against SDPA's flash and cuDNN backends, medians over 3
+interleaved rounds. `--layout model` hands every implementation its inputs as the model does (q, k, v views of the
+fused projection, dO laid out (B, S, H, d)) instead of dense (B, H, S, d) tensors.
 
 The table is printed and written to `--out` (default `outputs/bench/attention_bench/<time>_<preset>.md`).
 
@@ -487,12 +487,12 @@ def ratio_summary(results, impls, out_lines, graph: bool = False):
     print("\n".join(out_lines[start:]), flush=True)
 
 
-def training_shapes(seqs, dims, dtypes, causal: str = "yes", gqa: bool = False,
+def training_shapes(seqs, dims, dtypes, causal: str = "yes", gqa: str = "no",
                     tokens: int = TRAINING_TOKENS) -> list[Shape]:
     """The training preset's rows: B = tokens // S sequences of each length S (at least one), TRAINING_HEADS heads;
-    causal "yes" / "no" / "both"; with gqa also rows of TRAINING_GQA query heads per KV head."""
+    causal "yes" / "no" / "both"; gqa "no", "also" (rows of TRAINING_GQA query heads per KV head too) or "only"."""
     masks = {"yes": (True,), "no": (False,), "both": (True, False)}[causal]
-    kv = (0, TRAINING_HEADS // TRAINING_GQA) if gqa else (0,)
+    kv = {"no": (0,), "also": (0, TRAINING_HEADS // TRAINING_GQA), "only": (TRAINING_HEADS // TRAINING_GQA,)}[gqa]
     return [Shape(max(tokens // s, 1), TRAINING_HEADS, s, d, t, c, g) for t in dtypes for g in kv
             for c in masks for d in dims for s in seqs]
 
@@ -508,8 +508,9 @@ def main(argv=None) -> int:
                     "non-causal rows, or both")
     ap.add_argument("--layout", choices=LAYOUTS, default="dense", help="inputs as dense (B, H, S, d) tensors, or "
                     "as the model hands them over: q, k, v views of its fused projection, dO laid out (B, S, H, d)")
-    ap.add_argument("--gqa", action="store_true", help="training preset: also grouped-query rows (4 query heads "
-                    "per KV head; SDPA with enable_gqa, flash_triton natively, the others with k and v expanded)")
+    ap.add_argument("--gqa", nargs="?", const="also", default="no", choices=("no", "also", "only"),
+                    help="training preset: also (or, with 'only', only) grouped-query rows (4 query heads per KV "
+                    "head; SDPA with enable_gqa, flash_triton natively, the others with k and v expanded)")
     ap.add_argument("--tokens", type=int, default=TRAINING_TOKENS, help="training preset: tokens a row, B = "
                     "tokens / S (default 65536; 16384 at S = 2048 is the medium model's B = 8)")
     ap.add_argument("--dtypes", default=None, help="default bf16,fp32 (training preset: bf16)")

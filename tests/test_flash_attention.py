@@ -686,14 +686,16 @@ def test_bench_model_layout_inputs():
 
 
 def test_bench_training_shapes(capsys):
-    """--preset training: B x S tokens a row (65536 by default, --tokens otherwise), 16 heads; masks and GQA rows;
-    --tokens below 1 refused in one line."""
+    """--preset training: B x S tokens a row (65536 by default, --tokens otherwise), 16 heads; masks and GQA rows
+    (also, or only those); --tokens below 1 refused in one line."""
     import experiments.attention_bench as bench
     rows = bench.training_shapes([512, 2048], [64], [torch.bfloat16])
     assert [(r.b, r.h, r.s, r.causal, r.kv_heads) for r in rows] == [(128, 16, 512, True, 0), (32, 16, 2048, True, 0)]
-    rows = bench.training_shapes([2048], [64, 128], [torch.bfloat16], "both", True, tokens=16384)
+    rows = bench.training_shapes([2048], [64, 128], [torch.bfloat16], "both", "also", tokens=16384)
     assert {(r.b, r.d, r.causal, r.kv_heads) for r in rows} == {(8, d, c, g) for d in (64, 128) for c in (True, False)
                                                                 for g in (0, 4)}
+    rows = bench.training_shapes([2048], [80], [torch.float16], "no", "only")
+    assert [(r.d, r.causal, r.kv_heads) for r in rows] == [(80, False, 4)]
     assert bench.training_shapes([4096], [64], [torch.bfloat16], tokens=1024)[0].b == 1  # at least one sequence
     with pytest.raises(SystemExit) as exc:
         bench.main(["--preset", "training", "--tokens", "0"])
