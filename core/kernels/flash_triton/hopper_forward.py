@@ -20,12 +20,13 @@ each, in three or four partitions (`gl.warp_specialize`):
   halves of their query tiles, `swap_halves`: the lower half's rows see one key tile fewer, which its consumer skips, so
   each gets the lighter half every second tile), with their own online-softmax state (base 2, log2(e) folded into the
   scale) and fp32 output accumulator in registers. Per key tile j a consumer issues S_j = Q K_j^T, then O += P_{j-1}
-  V_{j-1} (P in registers as the wgmma A operand), waits for S_j only, computes the softmax of S_j while the PV matmul
-  runs (at d = 64 with two consumers over 128-key tiles an eighth of its exponentials by polynomial on the FMA units,
-  `exp2_poly`), then waits for it, releases slot j-1 and rescales O: at most two wgmma groups in flight. A query tile's
-  first key tile is peeled off that loop, or runs in it with a no-op PV (P = 0), by tile set and mask (`peel`). The
-  consumers run unsynchronised, so
-  one's softmax also overlaps the others' matmuls; with two consumers and 128-key tiles at d = 80-128 (`pingpong`) they
+  V_{j-1} (P in registers as the wgmma A operand), waits for S_j only, computes the softmax of S_j (at d = 64 with two
+  consumers over 128-key tiles an eighth of its exponentials by polynomial on the FMA units, `exp2_poly`), then waits
+  for the PV matmul, releases slot j-1 and rescales O: at most two wgmma groups in flight. (ptxas moves that last wait
+  above the softmax, so a consumer's PV matmul overlaps its own softmax only where the mask runs; kept below it, the
+  wait measured slower: docs/attention.md, Tried.) A query tile's first key tile is peeled off that loop, or
+  runs in it with a no-op PV (P = 0), by tile set and mask (`peel`). The consumers run unsynchronised, so one's
+  softmax overlaps the others' matmuls; with two consumers and 128-key tiles at d = 80-128 (`pingpong`) they
   issue their matmul groups in turns (FlashAttention-3's ping-pong: an mbarrier a consumer, handed over once its group
   is issued), which keeps one's softmax under the other's matmuls rather than leaving it to chance. A tile's O / l goes
   into shared memory and out by one TMA store, which runs while the consumer stores the LSE and starts the next tile:
