@@ -7,6 +7,7 @@ same tests run compiled; the `gpu` marker tags the ones that need CUDA.
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -1550,6 +1551,25 @@ def test_gluon_fwd_compiles_for_sm90():
     compile_in_child(_GLUON_FWD_COMPILE)
 
 
+def test_gluon_fwd_tail_heads():
+    """The causal schedule's tail (`tail_heads`): the fewest last heads such that the units (two query tiles) of the
+    heads before fill whole rounds of the grid and the tail's tiles make two rounds or more, while its heads' K and
+    V fit in half the L2; else none. At (32, 16, 2048, 64) on 132 SMs, 16 tiles a head: the units of 495 heads make
+    30 rounds, and 17 heads' 272 tiles end the walk, where units alone leave 4 units' 8 tiles over 132 programs."""
+    from core.kernels.flash_triton import hopper_forward as hf
+    l2 = 50 << 20
+    assert hf.tail_heads(512, 16, 132, 4 * 2048 * 64, l2) == 17
+    assert hf.tail_heads(512, 16, 132, 4 * 2048 * 64, 16 << 20) == 0  # 17 heads' K and V (8.9 MB) over half
+    assert hf.tail_heads(8, 16, 64, 1, l2) == 8  # two rounds of 64 programs need every head
+    assert hf.tail_heads(3, 3, 8, 1, l2) == 0  # 9 tiles: under two rounds of 8 programs
+    for n_zh, n_tiles, grid in itertools.product((1, 7, 64, 120, 512, 2048), (1, 3, 5, 16, 43, 86), (7, 114, 132)):
+        fits = [tail for tail in range(1, n_zh + 1)  # by search: units of the heads before in whole rounds, ...
+                if (n_zh - tail) * n_tiles % (2 * grid) == 0 and tail * n_tiles >= 2 * grid]
+        assert hf.tail_heads(n_zh, n_tiles, grid, 1, l2) == (fits[0] if fits else 0), (n_zh, n_tiles, grid)
+        if fits and n_tiles % 2:
+            assert (n_zh - fits[0]) % 2 == 0  # two heads' middle tiles make a unit
+
+
 def test_gluon_fwd_only_where_it_applies(monkeypatch):
     """The Gluon forward is on by default (`hopper_fwd`) for bf16 / fp16 at head dims 64, 80, 96 and 128 with
     TMA-aligned q, k, v, and off for fp32, other head dims, unaligned rows, other GPUs and under the interpreter."""
@@ -1763,6 +1783,22 @@ def test_gpu_gluon_fwd_swapped_halves_match(tiles, d, n_q, n_k):
     tiles = getattr(hf, tiles)[d] if isinstance(tiles, str) else tiles
     outs = _gluon_fwd_variants(d, n_q, n_k, True, 19, tiles, [dict(swap=True), dict(swap=False)])
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tiles,d", [("FWD_TILES", 64), ("SHORT_TILES", 128), ("WIDE_TILES", 96)])
+@pytest.mark.parametrize("n_q,n_k", [(600, 600), (334, 200), (200, 333)])
+def test_gpu_gluon_fwd_tail_matches(tiles, d, n_q, n_k):
+    """The schedule with a tail of heads dealt a query tile a program (`tail_heads`; here every head, and 1 or 7
+    of them after units that end in a partial round) computes every tile once, as the units alone do: a tile's sums
+    do not depend on the program that runs it, so output and logsumexp are bit for bit the same (NaN-poisoned
+    outputs: a tile left out shows); with ragged ends, rows that see no key, and against float64."""
+    from core.kernels.flash_triton import hopper_forward as hf
+    outs = _gluon_fwd_variants(d, n_q, n_k, True, 22, getattr(hf, tiles)[d],
+                               [dict(tail=0), dict(tail=1), dict(tail=7), dict(tail=120)])
+    for out, lse in outs[1:]:
+        assert torch.equal(outs[0][0], out) and torch.equal(outs[0][1], lse)
 
 
 @gpu

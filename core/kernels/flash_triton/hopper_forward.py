@@ -48,14 +48,15 @@ and O += P V one per part, the tail's accumulator beside the main one. At d = 12
 compiled out. The narrow tail wgmmas cost about what the columns they skip save: at d = 96 the kernel takes about
 as long as at 128 (so zero-padding to 128, not measured, might run level with it).
 
-Causal masks are bottom-right aligned (query i sees keys j <= i + n_k - n_q); each consumer masks only its
-diagonal and ragged-end tiles (and the first, peeled off the pipelined loop); three consumers skip the key tiles
-wholly masked for their rows. Grouped-query attention: query head h reads KV head h // kv_group. Schedule
-(`_tile`): work units are pairs of one head's query tiles, the r-th from the end with the r-th from the start, so
-under a causal mask every unit has the same number of key tiles (an odd count's middle tiles go two heads to a
-unit), and program p takes units p, p + grid, ... (head-major: the programs at work at one time share few heads' K
-and V in L2). Outputs: O in its dtype (TMA: at strides a descriptor takes), and the natural-log logsumexp (fp32,
-(Z*H, N_q); -inf and output 0 for a row that sees no key).
+Causal masks are bottom-right aligned (query i sees keys j <= i + n_k - n_q); each consumer masks only its diagonal
+and ragged-end tiles (and the first, peeled off the pipelined loop); three consumers skip the key tiles wholly
+masked for their rows. Grouped-query attention: query head h reads KV head h // kv_group. Schedule (`_tile`): work
+units are pairs of one head's query tiles, the r-th from the end with the r-th from the start, so under a causal
+mask every unit has the same number of key tiles (an odd count's middle tiles go two heads to a unit), and program p
+takes units p, p + grid, ... (head-major: the programs at work at one time share few heads' K and V in L2); under a
+causal mask the last heads' tiles (`tail_heads`) follow, dealt singly, heaviest first, so the walks end level rather
+than with a partial round of units. Outputs: O in its dtype (TMA: at strides a descriptor takes), and the
+natural-log logsumexp (fp32, (Z*H, N_q); -inf and output 0 for a row that sees no key).
 
 Scope (`fwd_applies`): compiled CUDA on sm_90, fp16 / bf16, head dims 64, 80, 96 and 128 (`HEAD_DIMS`), unit last
 strides and 16-byte aligned bases and (batch, head, row) strides of Q, K and V (TMA). Everything else runs the
@@ -68,6 +69,8 @@ took 0.95-0.98x the Triton forward's time with 128-key tiles, at 1024 0.97x; sho
 not measured), its own row thresholds there (`fwd_tiles`).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -184,10 +187,21 @@ if HAVE_GLUON:
         return n_rounds, 2 * gl.maximum(n_units - n_rounds * n_prog, 0)
 
     @gluon.jit
-    def _walk_len(n_units):
-        """How many tiles the program walks (`_tile`): two a round of pairs, then its one of the tiles after."""
+    def _pair_walk(n_units):
+        """How many tiles the program walks in units of pairs (`_tile`): two a round, then its one of the tiles
+        after."""
         n_rounds, n_after = _rounds(n_units)
         return 2 * n_rounds + (gl.program_id(0) < n_after).to(gl.int32)
+
+    @gluon.jit
+    def _walk_len(n_units, n_tail, n_tiles):
+        """How many tiles the program walks (`_tile`): its units' tiles, then its share of the tail's, which are
+        dealt round by round, every second round in reverse order of programs."""
+        n_prog = gl.num_programs(0)
+        tail = n_tail * n_tiles
+        last = tail // n_prog  # the tail's last, partial round
+        pos = gl.where(last % 2 == 0, gl.program_id(0), n_prog - 1 - gl.program_id(0))
+        return _pair_walk(n_units) + last + (pos < tail - last * n_prog).to(gl.int32)
 
     @gluon.jit
     def _post_tile(info, q_empty, slot, n_done, Q_BUFS: gl.constexpr, pid_zh, z, h, start_m):
@@ -231,8 +245,8 @@ if HAVE_GLUON:
                 gl.sum(gl.where(i == 2, t, 0), 0), gl.sum(gl.where(i == 3, t, 0), 0))
 
     @gluon.jit
-    def _tile(k, n_units, n_pairs, n_tiles, n_zh, n_heads, kv_group, n_k, causal_off, IS_CAUSAL: gl.constexpr,
-              BM: gl.constexpr, BLOCK_N: gl.constexpr):
+    def _tile(k, n_units, n_pairs, n_tiles, n_zh, n_tail, n_heads, kv_group, n_k, causal_off,
+              IS_CAUSAL: gl.constexpr, BM: gl.constexpr, BLOCK_N: gl.constexpr):
         """The program's k-th query tile: (whether it exists, batch x head, batch, head, KV head, first row, key
         bound, key tiles). Work units are pairs of one head's query tiles, the r-th from the end and the r-th from
         the start (n_pairs = n_tiles // 2 of them a head): under a causal mask a pair's key tiles add up to the same
@@ -242,8 +256,14 @@ if HAVE_GLUON:
         that drew one half idle, 1.3x the time at 3 tiles a head). Programs take units program, program +
         programs, ... in rounds, so they get equal work. Units left over from the full rounds go a tile a program
         where they fit (fewer than half the programs: tiles about half as heavy as a unit), else as a last, partial
-        round of units."""
+        round of units.
+        Under a causal mask the last n_tail heads (`tail_heads`) are no units: the units of the heads before fill
+        whole rounds, and the tail's tiles follow, heaviest first (the r-th from the end of every tail head, r = 0,
+        1, ...), dealt a tile a program a round, every second round in reverse order of programs, so the heavy tiles
+        and the light ones even out and the walk ends with the lightest. (Units alone end with a round of units'
+        tiles, up to 12 key tiles of 17 at 2048 rows: the last programs' walks took 2.2% longer than the mean.)"""
         n_prog = gl.num_programs(0)
+        n_zh_units = n_zh - n_tail  # heads in units
         n_rounds, n_after = _rounds(n_units)
         in_rounds = (k < 2 * n_rounds).to(gl.int32)
         after = gl.program_id(0) + n_rounds * n_prog * 2  # the program's tile after the rounds, as a unit's half
@@ -253,16 +273,23 @@ if HAVE_GLUON:
         blk_units = 2 * n_pairs + odd  # units of two heads: their pairs, then their middle tiles
         blk = u // blk_units
         r_blk = u % blk_units
-        pair_units = gl.minimum(n_zh - 2 * blk, 2) * n_pairs  # (one head in the last block of an odd count)
+        pair_units = gl.minimum(n_zh_units - 2 * blk, 2) * n_pairs  # (one head in the last block of an odd count)
         middle = (r_blk >= pair_units).to(gl.int32)
         pid_zh = 2 * blk + middle * second + (1 - middle) * (r_blk // gl.maximum(n_pairs, 1))
         p = r_blk % gl.maximum(n_pairs, 1)
         r = (1 - middle) * (p + second * (n_tiles - 1 - 2 * p)) + middle * n_pairs  # query tiles from the end
+        exists = (u < n_units) & (pid_zh < n_zh_units)
+        # the tail's i-th tile, dealt in round j
+        j = k - _pair_walk(n_units)
+        i = j * n_prog + gl.where(j % 2 == 0, gl.program_id(0), n_prog - 1 - gl.program_id(0))
+        in_tail = j >= 0
+        pid_zh = gl.where(in_tail, n_zh_units + i % gl.maximum(n_tail, 1), pid_zh)
+        r = gl.where(in_tail, i // gl.maximum(n_tail, 1), r)
+        exists = exists | in_tail
         start_m = (n_tiles - 1 - r) * BM
         off_z = pid_zh // n_heads
         off_h = pid_zh % n_heads
         hi = _key_bound(start_m, BM, causal_off, n_k, IS_CAUSAL)
-        exists = (u < n_units) & (pid_zh < n_zh)
         return exists, pid_zh, off_z, off_h, off_h // kv_group, start_m, hi, gl.cdiv(hi, BLOCK_N)
 
     @gluon.jit
@@ -313,7 +340,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, qt_desc, kt_desc, vt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
                   vt_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, info, n_units, n_pairs, n_tiles,
-                  n_zh, n_heads, kv_group, n_k, causal_off, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr,
+                  n_zh, n_tail, n_heads, kv_group, n_k, causal_off, IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr,
                   D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, STAGES: gl.constexpr,
                   Q_BUFS: gl.constexpr, NUM_CONS: gl.constexpr,
                   SWAP: gl.constexpr):
@@ -327,10 +354,10 @@ if HAVE_GLUON:
         kv_bytes: gl.constexpr = BLOCK_N * (D_MAIN + D_TAIL) * elem
         it = 0  # key tiles loaded
         n_done = 0  # query tiles loaded
-        for k in range(0, _walk_len(n_units)):
-            exists, pid_zh, z, h, hk, start_m, hi, n_kt = _tile(k, n_units, n_pairs, n_tiles, n_zh, n_heads, kv_group,
-                                                                n_k, causal_off, IS_CAUSAL, NUM_CONS * _HALF_M,
-                                                                BLOCK_N)
+        for k in range(0, _walk_len(n_units, n_tail, n_tiles)):
+            exists, pid_zh, z, h, hk, start_m, hi, n_kt = _tile(k, n_units, n_pairs, n_tiles, n_zh, n_tail, n_heads,
+                                                                kv_group, n_k, causal_off, IS_CAUSAL,
+                                                                NUM_CONS * _HALF_M, BLOCK_N)
             if exists:
                 if n_kt > 0:
                     _load_kv(it, 0, k_desc, v_desc, kt_desc, vt_desc, k_smem, v_smem, kt_smem, vt_smem, k_ready,
@@ -673,7 +700,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _fwd_ws_kernel(Q, K, V, O, Q_T, K_T, V_T, O_T, LSE,  # Q, K, V, O (tails Q_T, ... or None): 4-D TMA descriptors
-                       n_heads, kv_group, n_q, n_k, causal_off, qk_scale, n_zh,
+                       n_heads, kv_group, n_q, n_k, causal_off, qk_scale, n_zh, n_tail,
                        IS_CAUSAL: gl.constexpr, D_MAIN: gl.constexpr, D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr,
                        K_STAGES: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr,
@@ -687,7 +714,8 @@ if HAVE_GLUON:
         # persistent: the program walks pairs of query tiles of 2 x 64 rows (`_tile`), head-major
         n_tiles = gl.cdiv(n_q, NUM_CONS * _HALF_M)
         n_pairs = n_tiles // 2  # pairs of query tiles a head, and two heads' middle tiles a unit (`_tile`)
-        n_units = (n_zh // 2) * (2 * n_pairs + n_tiles % 2) + (n_zh % 2) * (n_pairs + n_tiles % 2)
+        n_zh_units = n_zh - n_tail  # the heads before the tail (`tail_heads`)
+        n_units = (n_zh_units // 2) * (2 * n_pairs + n_tiles % 2) + (n_zh_units % 2) * (n_pairs + n_tiles % 2)
         dtype: gl.constexpr = Q.dtype
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HALF_M, D_MAIN], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_MAIN], dtype)
@@ -760,8 +788,8 @@ if HAVE_GLUON:
                              NUM_CONS, PINGPONG, PEEL, SWAP, EXP_POLY)),
                 (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
                              q_empty, k_ready, v_ready, k_empty, v_empty, info, n_units, n_pairs, n_tiles, n_zh,
-                             n_heads, kv_group, n_k, causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, K_STAGES, STAGES,
-                             Q_BUFS, NUM_CONS, SWAP)),
+                             n_tail, n_heads, kv_group, n_k, causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, K_STAGES,
+                             STAGES, Q_BUFS, NUM_CONS, SWAP)),
             ], [4, 4, PRODUCER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
@@ -775,8 +803,8 @@ if HAVE_GLUON:
                              NUM_CONS, PINGPONG, PEEL, SWAP, EXP_POLY)),
                 (_producer, (Q, K, V, Q_T, K_T, V_T, q_smem, k_smem, v_smem, qt_smem, kt_smem, vt_smem, q_ready,
                              q_empty, k_ready, v_ready, k_empty, v_empty, info, n_units, n_pairs, n_tiles, n_zh,
-                             n_heads, kv_group, n_k, causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, K_STAGES, STAGES,
-                             Q_BUFS, NUM_CONS, SWAP)),
+                             n_tail, n_heads, kv_group, n_k, causal_off, IS_CAUSAL, D_MAIN, D_TAIL, BLOCK_N, K_STAGES,
+                             STAGES, Q_BUFS, NUM_CONS, SWAP)),
             ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -787,6 +815,20 @@ def _o_own(d: int, block_n: int, stages: int, q_bufs: int, consumers: int, k_sta
     the time at d = 64 from 8192 rows), and a store's wait moves to the next tile's epilogue."""
     q_o_kv = consumers * (q_bufs + 1) * HALF_M * d + (k_stages + stages) * block_n * d  # elements (2 bytes)
     return 2 * q_o_kv <= SMEM_LIMIT - 1024  # less the mbarriers' kilobyte at most
+
+
+def tail_heads(n_zh: int, n_tiles: int, grid: int, kv_bytes: int, l2_bytes: int) -> int:
+    """How many heads, the last ones, `_tile` deals as a tail of single query tiles, heaviest first, rather than as
+    units of two (0: none). The fewest such that the units of the heads before fill whole rounds of `grid` programs
+    (heads x n_tiles / 2 a multiple of grid; with an odd tile count that takes an even number of heads, as two
+    heads' middle tiles make a unit), the tail's tiles make two rounds or more (so the deal evens out), and the tail
+    heads' K and V (kv_bytes a query head) fit in half the L2 (every tail head is at work at once)."""
+    step = 2 * grid // math.gcd(n_tiles, 2 * grid)  # head counts whose units fill whole rounds: multiples of step
+    fewest = max(1, _cdiv(2 * grid, n_tiles))
+    if n_zh < fewest:
+        return 0
+    tail = n_zh - (n_zh - fewest) // step * step
+    return tail if 2 * tail * kv_bytes <= l2_bytes else 0
 
 
 def fwd_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -919,15 +961,16 @@ class FwdReplay:
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, sm_scale: float,
                tiles: tuple[int, ...] | None = None, turns: bool | None = None,
                first: int | None = None, swap: bool | None = None, warps: int | None = None,
-               exp_poly: bool | None = None, replay: bool = False) -> FwdReplay | None:
+               exp_poly: bool | None = None, tail: int | None = None, replay: bool = False) -> FwdReplay | None:
     """O (preallocated like q, or at any strides a TMA descriptor takes: unit last, 16-byte aligned base and
     others) and lse ((Z, H, N_q) fp32, contiguous) of attention on 4-D (Z, H, N, d) q, k, v (k, v: H / kv_group
     heads), where `fwd_applies`; tiles: (BLOCK_N, STAGES, Q_BUFS, consumers), `FWD_TILES`' by default; turns:
     ping-pong between two consumers, by default where `pingpong`; first: how a query tile's first key tile runs
     (IN_LOOP, PEEL_ONE_LOOP or PEEL_TWO_LOOPS), by default `peel`'s; swap: two consumers on alternate halves, by
     default where `swap_halves`; warps: the producer's, by default `producer_warps`; exp_poly: an eighth of the
-    exponentials by polynomial, by default where `exp2_poly`. With `replay`, the launch as a `FwdReplay` where it was
-    a direct one (`launch.Replay`), else None."""
+    exponentials by polynomial, by default where `exp2_poly`; tail: the heads dealt as single tiles at the end of the
+    schedule, by default `tail_heads`' (none without the causal mask). With `replay`, the launch as a `FwdReplay`
+    where it was a direct one (`launch.Replay`), else None."""
     z, h, n_q, d = q.shape
     n_k = k.shape[2]
     d_main, d_tail = common._TILE_D[d]
@@ -942,9 +985,14 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causa
         tails = (None,) * 4
     # persistent: a program an SM (their shared memory allows no second); on a grid of fewer than half as many
     # pairs of query tiles, a tile a program (`_tile`)
-    n_units = _cdiv(z * h * _cdiv(n_q, consumers * HALF_M), 2)  # the kernel's work units (`_tile`): half the tiles
-    direct = launch._run(_fwd_ws_kernel, (min(2 * n_units, launch._sm_count(q.device)),),
-                         (*descs, *tails, lse, h, h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E, z * h), 9,
+    n_tiles = _cdiv(n_q, consumers * HALF_M)
+    grid = min(2 * _cdiv(z * h * n_tiles, 2), launch._sm_count(q.device))  # 2 x the units (`_tile`)
+    if tail is None:
+        tail = tail_heads(z * h, n_tiles, grid, 4 * n_k * d // (h // k.shape[1]), launch._l2_bytes(q.device)) \
+            if is_causal else 0
+    direct = launch._run(_fwd_ws_kernel, (grid,),
+                         (*descs, *tails, lse, h, h // k.shape[1], n_q, n_k, causal_off, sm_scale * LOG2E, z * h,
+                          tail), 9,
                          replay, **fwd_constexprs(d, is_causal, tiles, turns, first, swap, warps, exp_poly),
                          num_warps=4)
     return None if direct is None else FwdReplay(descs, tails if d_tail else None, d_main, direct)

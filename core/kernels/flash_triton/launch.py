@@ -252,12 +252,22 @@ class _ArrivalCounts:
 
 
 _ARRIVALS = _ArrivalCounts()
-_SM_COUNT: dict[int, int] = {}
+_PROPS: dict[int, tuple[int, int]] = {}
+
+
+def _props(device: torch.device) -> tuple[int, int]:
+    """(SMs, L2 bytes) of a CUDA device, read once (a properties call costs microseconds a launch)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = _PROPS.get(index)
+    if props is None:
+        p = torch.cuda.get_device_properties(index)
+        props = _PROPS[index] = (p.multi_processor_count, p.L2_cache_size)
+    return props
 
 
 def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    n = _SM_COUNT.get(index)
-    if n is None:
-        n = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return n
+    return _props(device)[0]
+
+
+def _l2_bytes(device: torch.device) -> int:
+    return _props(device)[1]
