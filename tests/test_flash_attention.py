@@ -1116,7 +1116,7 @@ def test_gluon_ws_compiles_for_sm90():
     from core.kernels.flash_triton import hopper
     if not hopper.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
-    shapes = ["64x1", "80x1", "96x1", "128x1", "80x4", "128x4"]
+    shapes = ["64x1", "96x1", "80x4", "128x4"]  # each head dim; per query head and per KV head twice
     out = compile_in_child(_GLUON_COMPILE, *shapes)
     assert [line.split()[1] for line in out.splitlines() if line.startswith("compiled ")] == shapes, out
 
@@ -1489,24 +1489,41 @@ _GLUON_FWD_COMPILE = """
 import torch
 from triton.runtime.jit import mangle_type
 from core.kernels.flash_triton import common, hopper, hopper_forward as hf
+# compiled: a kernel for each value of every compile-time choice (tail width, key tile, consumers, turns, first
+# tile's placement, swapped halves, polynomial exponentials, split rings, O buffers, mask, producer warps, Q
+# buffers), and the three-consumer kernels of both tile widths; the policy is checked on every tile set
+COMPILED = {(64, True, "FWD"), (80, False, "WIDE"), (128, False, "FWD"), (96, True, "SHORT"), (96, True, "WIDE"),
+            (64, False, "WIDE")}
+CHOICES = ("D_TAIL", "BLOCK_N", "NUM_CONS", "PINGPONG", "PEEL", "SWAP", "EXP_POLY", "O_OWN", "IS_CAUSAL",
+           "PRODUCER_WARPS", "Q_BUFS")
+every, covered = set(), set()
 turns = 0
 firsts = []
 for d in hf.HEAD_DIMS:
     d_main, d_tail = common._TILE_D[d]
-    for causal, tiles in ((True, hf.FWD_TILES), (False, hf.FWD_TILES), (True, hf.SHORT_TILES),
-                          (True, hf.WIDE_TILES), (False, hf.WIDE_TILES)):
+    for causal, name in ((True, "FWD"), (False, "FWD"), (True, "SHORT"), (True, "WIDE"), (False, "WIDE")):
+        tiles = getattr(hf, name + "_TILES")
         if d not in tiles:
             continue
         block_n, stages, q_bufs, consumers = tiles[d][:4]
         constexprs = hf.fwd_constexprs(d, causal, tiles[d])  # what `launch_fwd` compiles
+        # ping-pong: each consumer waits for its turn and hands it over around every group of matmuls it issues
+        turns += constexprs["PINGPONG"]
+        firsts.append(constexprs["PEEL"])
+        assert constexprs["EXP_POLY"] == (d == 64 and block_n == 128 and consumers == 2), (d, tiles[d])
+        values = {(c, constexprs[c]) for c in CHOICES} | {("split rings", constexprs["K_STAGES"] != stages)}
+        every |= values
+        if (d, causal, name) not in COMPILED:
+            continue
+        covered |= values
         types = {"LSE": "*fp32"}
-        for name in ("Q", "K", "V", "O", "Q_T", "K_T", "V_T", "O_T"):  # 4-D TMA descriptors made on the host
-            if name.endswith("_T") and not d_tail:  # no tail: None, a constexpr (`launch_fwd`)
-                constexprs[name] = None
+        for arg in ("Q", "K", "V", "O", "Q_T", "K_T", "V_T", "O_T"):  # 4-D TMA descriptors made on the host
+            if arg.endswith("_T") and not d_tail:  # no tail: None, a constexpr (`launch_fwd`)
+                constexprs[arg] = None
                 continue
-            rows = hf.HALF_M if name[0] in "QO" else block_n
-            width = d_tail if name.endswith("_T") and d_tail else d_main
-            types[name] = mangle_type(hopper.tma_desc(torch.empty(1, 1, rows, width, dtype=torch.bfloat16),
+            rows = hf.HALF_M if arg[0] in "QO" else block_n
+            width = d_tail if arg.endswith("_T") and d_tail else d_main
+            types[arg] = mangle_type(hopper.tma_desc(torch.empty(1, 1, rows, width, dtype=torch.bfloat16),
                                                       (1, 1, rows, width)))
         kernel = compile_sm90(hf._fwd_ws_kernel, constexprs, types)
         ptx = kernel.asm["ptx"]
@@ -1517,14 +1534,10 @@ for d in hf.HEAD_DIMS:
         assert (f"m64n{d_tail}k16" in ptx) == bool(d_tail), d
         # d = 64's two consumers over 128-key tiles: an eighth of the exponentials by polynomial (its rounding
         # constant 1.5 * 2^23)
-        assert ("0f4B400000" in ptx) == constexprs["EXP_POLY"] == (d == 64 and block_n == 128 and consumers == 2), \
-            (d, tiles[d])
+        assert ("0f4B400000" in ptx) == constexprs["EXP_POLY"], (d, tiles[d])
         # consumer warpgroups and a producer warpgroup, registers moved between them; within shared memory
         assert "setmaxnreg" in ptx and kernel.metadata.num_warps == 4 * (consumers + 1), d
         assert kernel.metadata.shared <= hf.SMEM_LIMIT, d
-        # ping-pong: each consumer waits for its turn and hands it over around every group of matmuls it issues
-        if constexprs["PINGPONG"]:
-            turns += 1
         # a consumer's copies of S = Q K^T (d / 16 wgmmas) and O += P V (BLOCK_N / 16 a head-dim part): with the
         # first key tile in the loop, one S and two PVs (the loop's, the last tile's); peeled off, two S (the peeled
         # tile's, the loop's) and two PVs; peeled, with loops over full and over masked tiles, three of each
@@ -1532,7 +1545,7 @@ for d in hf.HEAD_DIMS:
             constexprs["PEEL"]]
         per_consumer = s_copies * d // 16 + pv_copies * (block_n // 16) * (2 if d_tail else 1)
         assert ptx.count("wgmma.mma_async") == consumers * per_consumer, (d, causal, tiles[d])
-        firsts.append(constexprs["PEEL"])
+assert covered == every, every - covered  # the compiled kernels take every value of every choice
 assert turns == 6, turns  # the 128-key tiles at d = 80, 96 and 128, causal and not
 # in the loop: d = 64's 128-key tiles (two and three consumers, causal and not: 4) and the 128-key tiles under the
 # mask at d = 80-128 (3); peeled, one loop: the 64-key short-row tiles (4 head dims) and the 128-key tiles without the
@@ -1543,8 +1556,10 @@ print("compiled")
 
 
 def test_gluon_fwd_compiles_for_sm90():
-    """The warp-specialised Gluon forward compiles for sm_90a (d = 64, 80, 96, 128, causal and not, the short-row
-    64-key tiles and d = 64's three consumers) with the installed Triton, no GPU needed."""
+    """The warp-specialised Gluon forward compiles for sm_90a with the installed Triton, no GPU needed: six of the
+    18 kernels the dispatch launches (d = 64, 80, 96, 128, causal and not, the short-row 64-key tiles, three
+    consumers), which between them take every value of every compile-time choice (the GPU tests run all 18; each
+    cold compile is some 6 s of CI time)."""
     from core.kernels.flash_triton import hopper_forward
     if not hopper_forward.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
