@@ -1108,6 +1108,7 @@ def compile_in_child(script: str, *args: str) -> str:
     return res.stdout
 
 
+@pytest.mark.slow  # cold (a CI machine's empty Triton cache): 30-45 s
 def test_gluon_ws_compiles_for_sm90():
     """The Gluon backward compiles for sm_90a with the installed Triton, no GPU needed (the CPU machines run a
     newer Triton than the GPU machine, and Gluon's API moves between releases), at each head dim it takes, with a
@@ -1555,6 +1556,7 @@ print("compiled")
 """
 
 
+@pytest.mark.slow  # cold (a CI machine's empty Triton cache): 30-45 s
 def test_gluon_fwd_compiles_for_sm90():
     """The warp-specialised Gluon forward compiles for sm_90a with the installed Triton, no GPU needed: six of the
     18 kernels the dispatch launches (d = 64, 80, 96, 128, causal and not, the short-row 64-key tiles, three

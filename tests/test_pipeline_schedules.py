@@ -219,6 +219,7 @@ def _bubbles(ranks: list[dict]) -> dict[int, float]:
     return {r["stage"]: 1 - sum(e[3] - e[2] for e in r["events"]) / (end - begin) for r in ranks}
 
 
+@pytest.mark.slow
 def test_measured_bubble_is_the_planners_formula(tmp_path):
     """Blocks that cost a fixed sleep (100 ms forward, 200 ms backward, far above their compute), pp2, 4 micro-
     batches: each stage's idle share of the step, from the recorded timelines, is within 25% of the formula:
