@@ -187,10 +187,9 @@ if HAVE_GLUON:
         return n_rounds, 2 * gl.maximum(n_units - n_rounds * n_prog, 0)
 
     @gluon.jit
-    def _pair_walk(n_units):
-        """How many tiles the program walks in units of pairs (`_tile`): two a round, then its one of the tiles
-        after."""
-        n_rounds, n_after = _rounds(n_units)
+    def _pair_walk(n_rounds, n_after):
+        """How many tiles the program walks in units of pairs (`_tile`), from `_rounds`: two a round, then its one of
+        the tiles after."""
         return 2 * n_rounds + (gl.program_id(0) < n_after).to(gl.int32)
 
     @gluon.jit
@@ -201,7 +200,8 @@ if HAVE_GLUON:
         tail = n_tail * n_tiles
         last = tail // n_prog  # the tail's last, partial round
         pos = gl.where(last % 2 == 0, gl.program_id(0), n_prog - 1 - gl.program_id(0))
-        return _pair_walk(n_units) + last + (pos < tail - last * n_prog).to(gl.int32)
+        n_rounds, n_after = _rounds(n_units)
+        return _pair_walk(n_rounds, n_after) + last + (pos < tail - last * n_prog).to(gl.int32)
 
     @gluon.jit
     def _post_tile(info, q_empty, slot, n_done, Q_BUFS: gl.constexpr, pid_zh, z, h, start_m):
@@ -280,7 +280,7 @@ if HAVE_GLUON:
         r = (1 - middle) * (p + second * (n_tiles - 1 - 2 * p)) + middle * n_pairs  # query tiles from the end
         exists = (u < n_units) & (pid_zh < n_zh_units)
         # the tail's i-th tile, dealt in round j
-        j = k - _pair_walk(n_units)
+        j = k - _pair_walk(n_rounds, n_after)
         i = j * n_prog + gl.where(j % 2 == 0, gl.program_id(0), n_prog - 1 - gl.program_id(0))
         in_tail = j >= 0
         pid_zh = gl.where(in_tail, n_zh_units + i % gl.maximum(n_tail, 1), pid_zh)
